@@ -1,0 +1,49 @@
+"""The `apiary` console command: a thin router onto Django management commands.
+
+`apiary run` is `manage.py runapiary`, `apiary check` is `checkconfig`
+(Django owns `check`), `apiary worker drain ID` is `drainworker`,
+`apiary affinity release TASK` is `affinity release TASK`; every other word is
+passed to Django as is (`apiary migrate`, `apiary createsuperuser`, …).
+
+`--config` must be known before Django reads its settings (the database sits
+beside the config file), so it is read here first and exported as
+APIARY_CONFIG; the commands see the same value through their own `--config`.
+"""
+
+import os
+import sys
+
+ALIASES = {"run": "runapiary", "check": "checkconfig"}
+
+
+def _config_from_argv(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def route(argv: list[str]) -> list[str]:
+    """Map `apiary WORDS…` to Django's `manage.py COMMAND ARGS…`."""
+    args = list(argv[1:])
+    if not args:
+        return [argv[0], "help"]
+    if args[:2] == ["worker", "drain"]:
+        return [argv[0], "drainworker", *args[2:]]
+    if args[:2] == ["worker", "undrain"]:
+        return [argv[0], "drainworker", "--undo", *args[2:]]
+    args[0] = ALIASES.get(args[0], args[0])
+    return [argv[0], *args]
+
+
+def main(argv: list[str] | None = None, prog_is_manage: bool = False) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    config = _config_from_argv(argv)
+    if config:
+        os.environ["APIARY_CONFIG"] = os.path.abspath(config)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "apiary_site.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(argv if prog_is_manage else route(argv))

@@ -1,0 +1,155 @@
+"""Django settings for Apiary.
+
+Apiary is configured by `apiary.yaml`, not by this module. What this module
+decides is where the state lives and which database holds the queue:
+
+* the config file is `$APIARY_CONFIG` (the `apiary` entry point sets it from
+  `--config`), else `./apiary.yaml`; the state directory `.apiary/` sits
+  beside it;
+* the database is SQLite at `.apiary/apiary.db` (or `$APIARY_DB_PATH`), or
+  PostgreSQL when `DATABASE_URL=postgres://…` is set.
+"""
+
+import os
+from pathlib import Path
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+CONFIG_PATH = Path(os.environ.get("APIARY_CONFIG", "apiary.yaml")).resolve()
+STATE_DIR = Path(os.environ.get("APIARY_STATE_DIR", CONFIG_PATH.parent / ".apiary"))
+
+# The secret key signs admin sessions only; workers authenticate with the
+# worker token from apiary.yaml. A stable key per state directory keeps admin
+# logins valid across restarts without a secret in the repository.
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or "apiary-local-" + str(STATE_DIR)
+DEBUG = os.environ.get("APIARY_DEBUG") == "1"
+ALLOWED_HOSTS = ["*"]  # the listener binds exactly `queue.listen`; TLS and host checks belong to the proxy
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "jobqueue.apps.JobQueueConfig",
+    "workers.apps.WorkersConfig",
+    "workflows.apps.WorkflowsConfig",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "apiary_site.urls"
+WSGI_APPLICATION = "apiary_site.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def _postgres(url: str) -> dict:
+    parts = urlsplit(url)
+    options = dict(parse_qsl(parts.query))
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": unquote(parts.path.lstrip("/")),
+        "USER": unquote(parts.username or ""),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": parts.hostname or "",
+        "PORT": str(parts.port or ""),
+        # Long-running processes keep their connection; close_old_connections()
+        # in each loop drops a broken one. A reconnect per job costs more than the job.
+        "CONN_MAX_AGE": None,
+        "CONN_HEALTH_CHECKS": True,
+        "OPTIONS": options,
+        "TEST": {"NAME": os.environ.get("APIARY_TEST_DB_NAME")} if os.environ.get("APIARY_TEST_DB_NAME") else {},
+    }
+
+
+def _sqlite(path: Path) -> dict:
+    return {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": str(path),
+        "CONN_MAX_AGE": None,
+        "OPTIONS": {
+            # IMMEDIATE: every transaction takes the write lock at BEGIN, so two
+            # claimers never read the same queued row and then collide on the
+            # lock upgrade (Django drops select_for_update on SQLite).
+            "transaction_mode": "IMMEDIATE",
+            # Seconds a writer waits for the lock before "database is locked".
+            "timeout": float(os.environ.get("APIARY_SQLITE_TIMEOUT", "30")),
+            "init_command": (
+                "PRAGMA journal_mode=WAL;"
+                f"PRAGMA synchronous={os.environ.get('APIARY_SQLITE_SYNCHRONOUS', 'FULL')};"
+                "PRAGMA foreign_keys=ON;"
+            ),
+        },
+    }
+
+
+_database_url = os.environ.get("DATABASE_URL", "")
+if _database_url.startswith(("postgres://", "postgresql://")):
+    DATABASES = {"default": _postgres(_database_url)}
+elif _database_url:
+    raise RuntimeError(f"DATABASE_URL must start with postgres:// or postgresql://, got {_database_url.split(':', 1)[0]}://…")
+else:
+    DATABASES = {"default": _sqlite(Path(os.environ.get("APIARY_DB_PATH", STATE_DIR / "apiary.db")))}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+
+# Worker protocol bodies are small JSON documents; 1 MiB is the documented limit.
+DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["jobqueue.api.auth.WorkerTokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "EXCEPTION_HANDLER": "jobqueue.api.errors.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Apiary worker protocol",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "apiary": {"handlers": ["console"], "level": os.environ.get("APIARY_LOG_LEVEL", "INFO"), "propagate": False},
+    },
+}

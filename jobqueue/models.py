@@ -1,0 +1,205 @@
+"""The durable queue: jobs, their fenced attempts, affinity pins and history.
+
+Rows here change only through jobqueue.services; the admin shows them read-only.
+"""
+
+import hashlib
+import json
+
+from django.db import models
+from django.db.models import Q
+
+
+class JobState(models.TextChoices):
+    QUEUED = "queued"
+    """Committed and waiting for an eligible worker (maybe not before `available_at`)."""
+    LEASED = "leased"
+    """Held by its current attempt until the attempt finishes or its lease runs out."""
+    SUCCEEDED = "succeeded"
+    """Terminal: the worker finished it with outcome `succeeded`."""
+    FAILED = "failed"
+    """Terminal: finished `failed` with no retry left, or expired `max_attempts` times."""
+    CANCELLED = "cancelled"
+    """Terminal: cancelled while queued, or a cancel was recorded before its attempt ended."""
+
+
+TERMINAL_JOB_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+# Every edge of the job state machine; services check each write through
+# `check_transition` and tests walk this table. README "Job states" draws it.
+JOB_TRANSITIONS: dict[str, frozenset[str]] = {
+    JobState.QUEUED: frozenset({JobState.LEASED, JobState.CANCELLED}),
+    JobState.LEASED: frozenset(
+        {
+            JobState.SUCCEEDED,  # finish succeeded
+            JobState.FAILED,  # finish failed without retries left; or the last allowed expiry
+            JobState.CANCELLED,  # finish after a cancel; expiry after a cancel
+            JobState.QUEUED,  # lease expired, or failed with a retry left
+        }
+    ),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class AttemptState(models.TextChoices):
+    ACTIVE = "active"
+    """Holds the job's lease; heartbeats and a finish with its token are accepted."""
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    """Its lease ran out, or its worker registered again; its token is stale for good."""
+
+
+ATTEMPT_TRANSITIONS: dict[str, frozenset[str]] = {
+    AttemptState.ACTIVE: frozenset(
+        {AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.CANCELLED, AttemptState.EXPIRED}
+    ),
+    AttemptState.SUCCEEDED: frozenset(),
+    AttemptState.FAILED: frozenset(),
+    AttemptState.CANCELLED: frozenset(),
+    AttemptState.EXPIRED: frozenset(),
+}
+
+
+class RequirementSet(models.Model):
+    """A distinct (pool, labels, capabilities) requirement, shared by every job
+    that needs it. A claim first finds the few sets the worker satisfies, then
+    asks for jobs pointing at those: its cost does not grow with the number of
+    queued jobs the worker cannot take."""
+
+    pool = models.CharField(max_length=128, null=True, blank=True)
+    labels = models.JSONField(default=list)
+    capabilities = models.JSONField(default=list)
+    digest = models.CharField(max_length=64, unique=True)
+
+    @staticmethod
+    def digest_of(pool: str | None, labels: list[str], capabilities: list[str]) -> str:
+        canonical = json.dumps([pool, sorted(set(labels)), sorted(set(capabilities))], separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def satisfied_by(self, *, pool: str | None, labels: set[str], capabilities: set[str]) -> bool:
+        return (
+            (self.pool is None or self.pool == pool)
+            and labels.issuperset(self.labels)
+            and capabilities.issuperset(self.capabilities)
+        )
+
+    def __str__(self) -> str:
+        return f"pool={self.pool or '*'} labels={self.labels} capabilities={self.capabilities}"
+
+
+class Job(models.Model):
+    key = models.CharField(max_length=512, unique=True, help_text="task:generation:workflow")
+    task = models.ForeignKey("workflows.Task", on_delete=models.CASCADE, related_name="jobs")
+    instance = models.OneToOneField("workflows.WorkflowInstance", on_delete=models.CASCADE, related_name="job")
+    generation = models.PositiveIntegerField()
+    workflow = models.CharField(max_length=128)
+    # Limit keys (and, for pool, also a requirement).
+    project = models.CharField(max_length=128)
+    source = models.CharField(max_length=128)
+    agent = models.CharField(max_length=128)
+    runner = models.CharField(max_length=64)
+    pool = models.CharField(max_length=128, null=True, blank=True)
+    requirements = models.ForeignKey(RequirementSet, on_delete=models.PROTECT, related_name="jobs")
+    affinity = models.BooleanField(default=False)
+    priority = models.IntegerField(default=0)
+    state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.QUEUED)
+    available_at = models.DateTimeField()
+    attempt_count = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=5)
+    # Workflow retry policy for attempts that finish `failed` (not for expiries).
+    retry_max_attempts = models.PositiveIntegerField(default=1)
+    retry_backoff = models.FloatField(default=0.0)
+    retry_backoff_max = models.FloatField(default=300.0)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    current_attempt = models.OneToOneField(
+        "Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="current_of"
+    )
+    summary = models.JSONField(default=dict, blank=True)
+    reason = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            # The claim's walk: queued jobs in claim order. Partial, so finished
+            # history never costs a claim anything.
+            models.Index(
+                fields=["-priority", "available_at", "id"],
+                name="job_claim_order",
+                condition=Q(state="queued"),
+            ),
+            models.Index(fields=["state"], name="job_state"),
+            models.Index(fields=["task", "state"], name="job_task_state"),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} {self.key} [{self.state}]"
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_JOB_STATES
+
+
+class Attempt(models.Model):
+    """A fenced claim of a job: an opaque token (only its hash is stored) and a lease."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    worker = models.ForeignKey("workers.Worker", on_delete=models.PROTECT, related_name="attempts")
+    session = models.CharField(max_length=64)
+    token_hash = models.CharField(max_length=64)
+    state = models.CharField(max_length=16, choices=AttemptState.choices, default=AttemptState.ACTIVE)
+    claimed_at = models.DateTimeField()
+    lease_expires_at = models.DateTimeField()
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+    # The job state its finish produced: a retried finish answers the same.
+    job_state = models.CharField(max_length=16, blank=True, default="")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "number"], name="attempt_job_number_unique")]
+        indexes = [
+            # Live attempts: limit counts, capacity, the reaper.
+            models.Index(fields=["lease_expires_at"], name="attempt_active_lease", condition=Q(state="active")),
+            models.Index(fields=["worker", "state"], name="attempt_worker_state"),
+        ]
+
+    def __str__(self) -> str:
+        return f"attempt {self.pk} (job {self.job_id} #{self.number}) [{self.state}]"
+
+
+class Affinity(models.Model):
+    """A task pinned to the worker that first claimed one of its affinity jobs."""
+
+    task = models.OneToOneField("workflows.Task", on_delete=models.CASCADE, related_name="affinity")
+    worker_id = models.CharField(max_length=128)
+    pinned_at = models.DateTimeField()
+
+    class Meta:
+        verbose_name_plural = "affinities"
+
+    def __str__(self) -> str:
+        return f"task {self.task_id} → {self.worker_id}"
+
+
+class JobEvent(models.Model):
+    """A row per transition, written in the transition's own transaction."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    kind = models.CharField(max_length=32)
+    at = models.DateTimeField()
+    worker_id = models.CharField(max_length=128, null=True, blank=True)
+    attempt = models.ForeignKey(Attempt, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["job", "id"], name="jobevent_job")]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} job {self.job_id} {self.kind}"

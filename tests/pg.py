@@ -1,0 +1,1 @@
+"""PostgreSQL harness (placeholder until the throwaway cluster lands)."""
