@@ -46,3 +46,29 @@ class WorkflowInstance(models.Model):
 
     def __str__(self) -> str:
         return f"{self.workflow}#{self.pk} ({self.task})"
+
+
+class StepRun(models.Model):
+    """History of one step of one attempt of an instance. The embedded worker
+    writes it here; a remote worker keeps it in its own history database and
+    sends the summary with its finish."""
+
+    instance = models.ForeignKey(WorkflowInstance, on_delete=models.CASCADE, related_name="steps")
+    attempt_number = models.PositiveIntegerField()
+    step_id = models.CharField(max_length=128)
+    status = models.CharField(max_length=16)  # running, succeeded, failed, cancelled, timed_out, skipped
+    worker_id = models.CharField(max_length=128, blank=True, default="")
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    log_path = models.CharField(max_length=1024, blank=True, default="")
+    output_tail = models.TextField(blank=True, default="")
+
+    class Meta:
+        ordering = ["instance", "attempt_number", "started_at", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["instance", "attempt_number", "step_id"], name="steprun_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.instance_id}/{self.attempt_number}/{self.step_id} [{self.status}]"
