@@ -1,0 +1,27 @@
+"""Load apiary.yaml and put it in force for this process.
+
+Every entry point that touches the queue (the daemon, the worker, the HTTP
+listener's gunicorn processes, the operations commands) calls `configure`, so
+lease durations, limits and the worker token are the same everywhere.
+"""
+
+from django.conf import settings
+from django.core.management import CommandError
+from workflows.config import Config, ConfigError, find_config_path, load
+
+from jobqueue import conf
+
+
+def configure(explicit_path: str | None = None) -> Config:
+    """Find, validate and apply the config; a CommandError (exit 2) lists every problem."""
+    try:
+        config = load(find_config_path(explicit_path))
+    except ConfigError as exc:
+        raise CommandError(str(exc), returncode=2) from exc
+    apply(config)
+    return config
+
+
+def apply(config: Config) -> None:
+    conf.configure(config.queue_config())
+    settings.APIARY_WORKER_TOKEN = config.settings.queue.worker_token or ""

@@ -1,0 +1,152 @@
+"""Runs one claimed job: the workflow's steps, in order, in the task's workspace.
+
+The executor knows nothing of leases or transports: it gets a claim and a
+cancel event, runs each step through the runner adapters, records step
+history, and returns the outcome. The runtime decides what to do with it.
+"""
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from workflows.config import Config, StepConfig
+
+from jobqueue.services import Claim
+from workflows import runners, templates
+
+from .pgroups import ProcessGroups, group_alive, terminate_group
+
+log = logging.getLogger("apiary.worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    outcome: str  # succeeded | failed | cancelled
+    summary: dict
+    error: str | None = None
+
+
+class History(Protocol):
+    """Where step history goes: the control plane's database for the embedded
+    worker, the worker's own SQLite file for a remote one."""
+
+    def step_started(self, *, claim: Claim, worker_id: str, step_id: str, started_at: dt.datetime, log_path: str) -> None: ...
+
+    def step_finished(self, *, claim: Claim, worker_id: str, step_id: str, result: "runners.StepResult") -> None: ...
+
+
+def task_environment(claim: Claim, *, worker_id: str, workspace: Path) -> dict[str, str]:
+    """Identity and task fields for every step process. Task text travels in
+    the environment, never spliced into a command line."""
+    task = claim.task
+    return {
+        "APIARY_JOB_ID": str(claim.job_id),
+        "APIARY_ATTEMPT": str(claim.attempt_number),
+        "APIARY_INSTANCE_ID": str(claim.instance_id),
+        "APIARY_WORKER_ID": worker_id,
+        "APIARY_WORKSPACE": str(workspace),
+        "APIARY_WORKFLOW": claim.workflow,
+        "APIARY_TASK_ID": str(task["id"]),
+        "APIARY_TASK_SOURCE": str(task.get("source", "")),
+        "APIARY_TASK_ITEM_KEY": str(task.get("item_key", "")),
+        "APIARY_TASK_GENERATION": str(task.get("generation", "")),
+        "APIARY_TASK_TITLE": str(task.get("title", "")),
+        "APIARY_TASK_BODY": str(task.get("body", "")),
+        "APIARY_TASK_PAYLOAD": json.dumps(task.get("payload", {})),
+    }
+
+
+class Executor:
+    def __init__(self, *, config: Config, worker_id: str, history: History, groups: ProcessGroups, grace: float = 5.0):
+        self.config = config
+        self.worker_id = worker_id
+        self.history = history
+        self.groups = groups
+        self.grace = grace
+
+    def run(self, claim: Claim, cancel: threading.Event) -> Outcome:
+        workflow = self.config.workflows.get(claim.workflow)
+        if workflow is None:
+            return Outcome("failed", {}, f"workflow {claim.workflow!r} is not in this worker's config")
+        agent = self.config.agents[workflow.agent]
+        state = self.config.state_dir
+        workspace = state / "workspaces" / str(claim.task["id"])
+        workspace.mkdir(parents=True, exist_ok=True)
+        base_env = {**os.environ, **agent.env, **task_environment(claim, worker_id=self.worker_id, workspace=workspace)}
+        context = {"task": dict(claim.task), "steps": {}, "workflow": claim.workflow, "attempt": claim.attempt_number}
+        deadline = time.monotonic() + workflow.timeout if workflow.timeout else None
+        steps_summary: list[dict] = []
+        outcome, error = "succeeded", None
+
+        for step in workflow.steps:
+            if cancel.is_set():
+                outcome, error = "cancelled", "cancelled before step " + step.id
+                break
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                outcome, error = "failed", f"workflow timeout ({workflow.timeout:g}s) reached before step {step.id}"
+                break
+            try:
+                argv, stdin, extra_env = self._command(agent, step, context)
+            except templates.TemplateError as exc:
+                outcome, error = "failed", f"step {step.id}: {exc}"
+                steps_summary.append({"id": step.id, "status": "failed", "error": str(exc)})
+                break
+            timeout = min(t for t in (step.timeout, remaining) if t is not None) if (step.timeout or remaining) else None
+            log_path = state / "logs" / str(claim.instance_id) / f"{step.id}.log"
+            started = dt.datetime.now(dt.UTC)
+            self.history.step_started(
+                claim=claim, worker_id=self.worker_id, step_id=step.id, started_at=started, log_path=str(log_path)
+            )
+            spawned: list[int] = []
+
+            def on_spawn(pgid: int, spawned=spawned) -> None:
+                self.groups.add(pgid)
+                spawned.append(pgid)
+
+            result = runners.run_step(
+                argv,
+                cwd=workspace,
+                env={**base_env, **step.env, **extra_env, "APIARY_STEP_ID": step.id},
+                stdin=stdin,
+                log_path=log_path,
+                timeout=timeout,
+                cancel=cancel,
+                grace=self.grace,
+                on_spawn=on_spawn,
+            )
+            for pgid in spawned:  # what the step left running in its group ends with it
+                if group_alive(pgid):
+                    terminate_group(pgid, grace=self.grace)
+                self.groups.remove(pgid)
+            self.history.step_finished(claim=claim, worker_id=self.worker_id, step_id=step.id, result=result)
+            context["steps"][step.id] = {"output": result.output, "exit_code": result.exit_code, "status": result.status}
+            steps_summary.append(
+                {
+                    "id": step.id,
+                    "status": result.status,
+                    "exit_code": result.exit_code,
+                    "duration": round(result.duration, 3),
+                    "output_tail": result.output_tail[-1000:],
+                }
+            )
+            if result.status == "cancelled":
+                outcome, error = "cancelled", f"step {step.id} was cancelled"
+                break
+            if result.status != "succeeded" and not step.continue_on_error:
+                why = "timed out" if result.status == "timed_out" else f"exited with {result.exit_code}"
+                outcome, error = "failed", f"step {step.id} {why}"
+                break
+        summary = {"steps": steps_summary, "worker_id": self.worker_id, "attempt": claim.attempt_number}
+        return Outcome(outcome, summary, error)
+
+    def _command(self, agent, step: StepConfig, context: dict) -> tuple[list[str], str | None, dict]:
+        if step.prompt is not None:
+            return runners.build_prompt_command(agent, templates.render(step.prompt, context))
+        return runners.build_run_command(templates.render(step.run, context, shell=True)), None, {}

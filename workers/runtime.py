@@ -1,0 +1,310 @@
+"""The worker runtime: one loop for the embedded worker and for remote ones.
+
+Threads:
+* the claim loop (`run`): claims up to free capacity (long-polling through the
+  transport), starts one thread per job, and ends the loop once drained;
+* the heartbeat loop: worker heartbeats (which carry the operator's drain
+  request back) and one heartbeat per active attempt every
+  `heartbeat_interval`; a `cancel` answer, a stale attempt or a lease that
+  must have passed stops that job's runner;
+* a thread per job, running the executor and then sending the finish.
+
+Self-fencing: the worker never trusts its attempt past the lease. It measures,
+on its own monotonic clock, from the *sending* time of the last heartbeat the
+control plane acknowledged (or of the claim), plus lease_duration, minus a
+margin; past that the control plane may already have given the job to another
+worker, so the runner is stopped and the result discarded. Likewise a worker
+that has not reached the control plane for half a lease stops claiming.
+"""
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+
+from jobqueue.exceptions import NotFound, QueueError, SessionSuperseded, StaleAttempt, Unavailable
+from jobqueue.services import Claim
+
+from .executor import Executor, Outcome
+from .transport import Registration, Transport, WorkerSpec
+
+log = logging.getLogger("apiary.worker")
+
+
+class TransportError(QueueError):
+    """The control plane could not be reached (connection refused, timeout, 5xx)."""
+
+    code = "transport_error"
+
+
+RETRYABLE = (Unavailable, TransportError)
+
+
+@dataclasses.dataclass
+class ActiveJob:
+    claim: Claim
+    acked_at: float  # monotonic sending time of the last acknowledged claim/heartbeat
+    next_heartbeat: float
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+    discard: str | None = None  # why the result must not be sent
+    thread: threading.Thread | None = None
+
+
+class WorkerRuntime:
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        spec: WorkerSpec,
+        executor: Executor,
+        claim_wait: float = 1.0,
+        fence_margin: float | None = None,
+    ):
+        self.transport = transport
+        self.spec = spec
+        self.executor = executor
+        self.claim_wait = claim_wait
+        self.fence_margin = fence_margin
+        self.registration: Registration | None = None
+        self.active: dict[int, ActiveJob] = {}
+        self.lock = threading.Lock()
+        self.draining = threading.Event()
+        self.stopped = threading.Event()
+        self.fatal: str | None = None
+        self.last_contact = 0.0
+        self.next_worker_heartbeat = 0.0
+        self.finished_count = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Registration:
+        self.registration = self.transport.register(self.spec)
+        self.last_contact = time.monotonic()
+        self.next_worker_heartbeat = self.last_contact + self.registration.heartbeat_interval
+        log.info(
+            "worker %s registered (pool=%s, capacity=%s, capabilities=%s)",
+            self.spec.worker_id, self.spec.pool, self.spec.capacity, ",".join(self.spec.capabilities),
+        )
+        return self.registration
+
+    @property
+    def session(self) -> str:
+        assert self.registration is not None, "start() first"
+        return self.registration.session
+
+    @property
+    def margin(self) -> float:
+        lease = self.registration.lease_duration
+        return self.fence_margin if self.fence_margin is not None else min(2.0, lease * 0.1)
+
+    def request_drain(self, why: str = "drain requested") -> None:
+        if not self.draining.is_set():
+            log.info("worker %s draining (%s): no new claims; %d active job(s) will finish", self.spec.worker_id, why, len(self.active))
+            self.draining.set()
+
+    def cancel_all(self, why: str = "worker stopping") -> None:
+        """A second signal: stop every runner; the jobs finish as `cancelled`."""
+        self.request_drain(why)
+        with self.lock:
+            jobs = list(self.active.values())
+        for job in jobs:
+            log.info("stopping job %s attempt %s (%s)", job.claim.job_id, job.claim.attempt_id, why)
+            job.cancel.set()
+
+    def idle(self) -> bool:
+        with self.lock:
+            return not self.active
+
+    def run(self) -> int:
+        """Claim and run jobs until drained (or a fatal error); returns an exit code."""
+        if self.registration is None:
+            self.start()
+        beat = threading.Thread(target=self._heartbeat_loop, name=f"{self.spec.worker_id}-heartbeat", daemon=True)
+        beat.start()
+        try:
+            while not self.stopped.is_set():
+                self.reap()
+                if self.draining.is_set():
+                    if self.idle():
+                        break
+                    time.sleep(0.05)
+                    continue
+                if not self.claim_once(wait=self.claim_wait):
+                    time.sleep(0.05 + random.uniform(0, 0.05))  # no lockstep between workers
+        finally:
+            self.stopped.set()
+            beat.join(timeout=5)
+        self.reap(wait=True)
+        if self.fatal is None:
+            self._send_worker_heartbeat(ready=False)
+            log.info("worker %s drained; %d job(s) finished", self.spec.worker_id, self.finished_count)
+            return 0
+        log.error("worker %s stopped: %s", self.spec.worker_id, self.fatal)
+        return 1
+
+    # ------------------------------------------------------------------ claiming
+
+    def reachable(self) -> bool:
+        return time.monotonic() - self.last_contact < self.registration.lease_duration / 2
+
+    def claim_once(self, *, wait: float = 0.0) -> int:
+        """Claim up to free capacity; returns how many jobs were started."""
+        free = self.spec.capacity - len(self.active)
+        if free <= 0 or self.draining.is_set() or self.stopped.is_set():
+            return 0
+        if not self.reachable():
+            self._call(lambda: self._send_worker_heartbeat())  # try to reach it; claim next time
+            return 0
+        sent = time.monotonic()
+        claims = self._call(lambda: self.transport.claim(session=self.session, max_jobs=free, wait=wait))
+        for claim in claims or []:
+            log.info(
+                "claim: job %s attempt %s (#%s) workflow %s instance %s task %s",
+                claim.job_id, claim.attempt_id, claim.attempt_number, claim.workflow, claim.instance_id, claim.task["id"],
+            )
+            job = ActiveJob(claim=claim, acked_at=sent, next_heartbeat=sent + self.registration.heartbeat_interval)
+            job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"job-{claim.job_id}", daemon=True)
+            with self.lock:
+                self.active[claim.attempt_id] = job
+            job.thread.start()
+        return len(claims or [])
+
+    def reap(self, wait: bool = False) -> None:
+        with self.lock:
+            jobs = list(self.active.items())
+        for attempt_id, job in jobs:
+            if wait:
+                job.thread.join()
+            if not job.thread.is_alive():
+                with self.lock:
+                    self.active.pop(attempt_id, None)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def _heartbeat_loop(self) -> None:
+        tick = min(0.2, self.registration.heartbeat_interval / 4)
+        while not self.stopped.is_set():
+            self.heartbeat_once()
+            self.stopped.wait(tick)
+
+    def heartbeat_once(self) -> None:
+        now = time.monotonic()
+        if now >= self.next_worker_heartbeat:
+            self.next_worker_heartbeat = now + self.registration.heartbeat_interval
+            drain = self._call(self._send_worker_heartbeat)
+            if drain:
+                self.request_drain("an operator asked this worker to drain")
+        with self.lock:
+            jobs = list(self.active.values())
+        for job in jobs:
+            self._beat(job)
+
+    def _send_worker_heartbeat(self, *, ready: bool = True) -> bool:
+        drain = self.transport.worker_heartbeat(session=self.session, draining=self.draining.is_set(), ready=ready)
+        self.last_contact = time.monotonic()
+        return drain
+
+    def _beat(self, job: ActiveJob) -> None:
+        now = time.monotonic()
+        if job.discard or job.thread is None or not job.thread.is_alive():
+            return
+        if now >= job.acked_at + self.registration.lease_duration - self.margin:
+            self._discard(job, "its lease must have run out without an acknowledged heartbeat (self-fenced)")
+            return
+        if now < job.next_heartbeat:
+            return
+        job.next_heartbeat = now + self.registration.heartbeat_interval
+        try:
+            answer = self.transport.heartbeat(attempt_id=job.claim.attempt_id, token=job.claim.token)
+        except (StaleAttempt, NotFound) as exc:
+            self._discard(job, f"the control plane says the attempt is stale: {exc.message}")
+            return
+        except RETRYABLE as exc:
+            log.warning("heartbeat of attempt %s failed (%s); retrying", job.claim.attempt_id, exc)
+            job.next_heartbeat = now + min(1.0, self.registration.heartbeat_interval / 2)
+            return
+        except SessionSuperseded as exc:
+            self._superseded(exc)
+            return
+        job.acked_at = now
+        self.last_contact = time.monotonic()
+        if answer.cancel and not job.cancel.is_set():
+            log.info("cancel requested: job %s attempt %s; stopping its runner", job.claim.job_id, job.claim.attempt_id)
+            job.cancel.set()
+
+    def _discard(self, job: ActiveJob, why: str) -> None:
+        log.warning("job %s attempt %s: stopping the runner and discarding its result: %s", job.claim.job_id, job.claim.attempt_id, why)
+        job.discard = why
+        job.cancel.set()
+
+    def _superseded(self, exc: Exception) -> None:
+        self.fatal = f"another process registered worker id {self.spec.worker_id!r} ({exc}); exiting"
+        with self.lock:
+            jobs = list(self.active.values())
+        for job in jobs:
+            self._discard(job, "session superseded")
+        self.stopped.set()
+
+    def _call(self, fn):
+        """A control-plane call from the loops: transient failures are logged and
+        answered None; a superseded session is fatal."""
+        try:
+            result = fn()
+        except SessionSuperseded as exc:
+            self._superseded(exc)
+            return None
+        except RETRYABLE as exc:
+            log.warning("control plane unavailable: %s", exc)
+            return None
+        self.last_contact = time.monotonic()
+        return result
+
+    # ------------------------------------------------------------------ jobs
+
+    def _run_job(self, job: ActiveJob) -> None:
+        claim = job.claim
+        try:
+            try:
+                outcome = self.executor.run(claim, job.cancel)
+            except Exception as exc:  # a bug in a runner must not take the worker down
+                log.exception("job %s attempt %s crashed in the executor", claim.job_id, claim.attempt_id)
+                outcome = Outcome("failed", {}, f"executor error: {exc!r}")
+            if job.discard:
+                log.warning("job %s attempt %s result discarded: %s", claim.job_id, claim.attempt_id, job.discard)
+                return
+            self._finish(job, outcome)
+        finally:
+            self.transport.close()
+
+    def _finish(self, job: ActiveJob, outcome: Outcome) -> None:
+        claim = job.claim
+        delay = 0.2
+        while True:
+            try:
+                state = self.transport.finish(
+                    attempt_id=claim.attempt_id,
+                    token=claim.token,
+                    outcome=outcome.outcome,
+                    summary=outcome.summary,
+                    error=outcome.error,
+                )
+            except (StaleAttempt, NotFound) as exc:
+                log.warning("finish of job %s attempt %s refused as stale: %s; result discarded", claim.job_id, claim.attempt_id, exc.message)
+                return
+            except SessionSuperseded as exc:
+                self._superseded(exc)
+                return
+            except RETRYABLE as exc:
+                if job.discard:
+                    return
+                log.warning("finish of attempt %s failed (%s); retrying in %.1fs", claim.attempt_id, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0) * random.uniform(0.8, 1.2)
+                continue
+            self.finished_count += 1
+            log.info(
+                "finish: job %s attempt %s outcome %s → job %s%s",
+                claim.job_id, claim.attempt_id, outcome.outcome, state, f" ({outcome.error})" if outcome.error else "",
+            )
+            return

@@ -1,0 +1,99 @@
+"""How a worker runtime talks to the queue: the seam between the one executor
+core and its two job sources.
+
+`InProcessTransport` calls jobqueue.services directly (the embedded worker);
+`workers.http.HttpTransport` speaks the worker protocol over HTTP (remote
+workers). Both raise the same domain errors — StaleAttempt,
+SessionSuperseded, NotFound, Unavailable — so the runtime cannot tell them apart.
+"""
+
+import dataclasses
+import time
+from typing import Protocol
+
+from django.db import close_old_connections, connection
+
+from jobqueue import conf, services
+from jobqueue.services import Claim, Heartbeat
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    session: str
+    lease_duration: float
+    heartbeat_interval: float
+    worker_timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    worker_id: str
+    pool: str | None
+    labels: tuple[str, ...]
+    capabilities: tuple[str, ...]
+    capacity: int
+    embedded: bool = False
+
+
+class Transport(Protocol):
+    def register(self, spec: WorkerSpec) -> Registration: ...
+
+    def worker_heartbeat(self, *, session: str, draining: bool, ready: bool) -> bool:
+        """Returns whether an operator asked this worker to drain."""
+
+    def claim(self, *, session: str, max_jobs: int, wait: float) -> list[Claim]: ...
+
+    def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat: ...
+
+    def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessTransport:
+    """The embedded worker's transport: service calls in this process.
+
+    Each runtime thread has its own Django connection; `close()` drops the
+    calling thread's one (job threads call it before they end)."""
+
+    def __init__(self, *, worker_id: str, poll_interval: float = 0.2):
+        self.worker_id = worker_id
+        self.poll_interval = poll_interval
+
+    def register(self, spec: WorkerSpec) -> Registration:
+        close_old_connections()
+        worker = services.worker_register(
+            worker_id=spec.worker_id,
+            pool=spec.pool,
+            labels=spec.labels,
+            capabilities=spec.capabilities,
+            capacity=spec.capacity,
+            embedded=spec.embedded,
+        )
+        cfg = conf.current()
+        return Registration(worker.session, cfg.lease_duration, cfg.heartbeat_interval, cfg.worker_timeout)
+
+    def worker_heartbeat(self, *, session: str, draining: bool, ready: bool) -> bool:
+        close_old_connections()
+        worker = services.worker_heartbeat(worker_id=self.worker_id, session=session, draining=draining, ready=ready)
+        return worker.drain_requested
+
+    def claim(self, *, session: str, max_jobs: int, wait: float) -> list[Claim]:
+        """Claims, polling for up to `wait` seconds; each poll is its own short
+        transaction, so nothing holds the write lock while waiting."""
+        deadline = time.monotonic() + wait
+        while True:
+            close_old_connections()
+            claims = services.jobs_claim(worker_id=self.worker_id, session=session, max_jobs=max_jobs)
+            if claims or time.monotonic() >= deadline:
+                return claims
+            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+
+    def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat:
+        return services.attempt_heartbeat(attempt_id=attempt_id, token=token)
+
+    def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str:
+        return services.attempt_finish(attempt_id=attempt_id, token=token, outcome=outcome, summary=summary, error=error)
+
+    def close(self) -> None:
+        connection.close()

@@ -1,0 +1,89 @@
+"""`apiary run`: the control plane, with the embedded worker unless configured off."""
+
+import argparse
+import logging
+import signal
+import threading
+
+from django.core.management import call_command
+from django.core.management.base import BaseCommand
+
+from apiary_site import bootstrap
+from jobqueue import services as queue
+from jobqueue.exceptions import Unavailable
+from workers.embedded import embedded_runtime
+from workflows.controlplane import ControlPlane
+
+log = logging.getLogger("apiary.controlplane")
+
+
+class Command(BaseCommand):
+    help = "Run the control plane: migrate, reconcile, poll sources, dispatch, reap leases, run the embedded worker."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--config", help="path to apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
+        parser.add_argument(
+            "--until-idle",
+            action="store_true",
+            help="exit 0 once every source has been polled and no job is queued or leased",
+        )
+        parser.add_argument("--tick", type=float, default=0.2, help=argparse.SUPPRESS)
+
+    def handle(self, *args, **options):
+        config = bootstrap.configure(options["config"])
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        call_command("migrate", interactive=False, verbosity=0)
+        fixed = queue.reconcile()
+        log.info(
+            "control plane up: project %s, config %s; reconciled %d expired lease(s), %d instance(s), %d task(s)",
+            config.project, config.path, fixed.expired, fixed.instances, fixed.tasks,
+        )
+        for warning in config.warnings:
+            log.warning("config: %s", warning)
+
+        control = ControlPlane(config=config)
+        runtime = thread = None
+        if config.settings.queue.embedded_worker:
+            runtime = embedded_runtime(config)
+            runtime.start()
+            thread = threading.Thread(target=runtime.run, name="embedded-worker", daemon=True)
+            thread.start()
+        else:
+            log.info("embedded worker off (settings.queue.embedded_worker: false): jobs wait for remote workers")
+
+        stop = threading.Event()
+        signals = {"count": 0}
+
+        def on_signal(signum, frame):
+            signals["count"] += 1
+            if signals["count"] == 1:
+                log.info("%s: draining (a second signal stops running jobs)", signal.Signals(signum).name)
+                stop.set()
+                if runtime:
+                    runtime.request_drain("shutting down")
+            elif runtime:
+                runtime.cancel_all("second signal")
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        exit_code = 0
+        try:
+            while not stop.is_set():
+                try:
+                    control.run_once()
+                except Unavailable as exc:
+                    log.warning("database busy: %s", exc)
+                if runtime and runtime.fatal:
+                    exit_code = 1
+                    break
+                if options["until_idle"] and control.idle() and (runtime is None or runtime.idle()):
+                    log.info("idle: every source polled, no job queued or leased")
+                    break
+                stop.wait(options["tick"])
+            if runtime:
+                runtime.request_drain("shutting down")
+                thread.join()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if exit_code:
+            raise SystemExit(exit_code)
