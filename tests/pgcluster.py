@@ -19,6 +19,7 @@ import contextlib
 import glob
 import os
 import pwd
+import re
 import shutil
 import socket
 import subprocess
@@ -41,11 +42,13 @@ def _version_key(path: Path) -> tuple:
 
 def find_bindir() -> Path | None:
     """The directory holding initdb, pg_ctl and postgres, or None when the
-    server is not installed. Looks at $APIARY_PG_BINDIR, `pg_config --bindir`,
-    /usr/lib/postgresql/*/bin (Debian keeps them off PATH), then PATH."""
+    server is not installed. $APIARY_PG_BINDIR, when set, is the only place
+    looked at; otherwise `pg_config --bindir`, /usr/lib/postgresql/*/bin
+    (Debian keeps them off PATH, newest first), then PATH."""
+    if os.environ.get("APIARY_PG_BINDIR"):  # explicit: only that one
+        chosen = Path(os.environ["APIARY_PG_BINDIR"])
+        return chosen if _is_bindir(chosen) else None
     candidates: list[Path] = []
-    if os.environ.get("APIARY_PG_BINDIR"):
-        candidates.append(Path(os.environ["APIARY_PG_BINDIR"]))
     pg_config = shutil.which("pg_config")
     if pg_config:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -56,6 +59,16 @@ def find_bindir() -> Path | None:
     if initdb:
         candidates.append(Path(initdb).resolve().parent)
     return next((c for c in candidates if _is_bindir(c)), None)
+
+
+def server_version(bindir: Path) -> str:
+    """ "15.18" for the server in `bindir` ("unknown" if it will not say)."""
+    try:
+        out = subprocess.run([str(bindir / "postgres"), "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    found = re.search(r"\d+(\.\d+)*", out.stdout)  # "postgres (PostgreSQL) 15.18 (Debian …)"
+    return found.group(0) if out.returncode == 0 and found else "unknown"
 
 
 def _free_port() -> int:
@@ -178,7 +191,9 @@ def start_cluster(base_dir: Path | None = None) -> Cluster:
             cluster.port = _free_port()
             _configure(cluster.data, port=cluster.port, socket_dir=directory)
             try:
-                cluster._run("pg_ctl", "start", "-D", str(cluster.data), "-l", str(directory / "server.log"), "-w", "-t", "60")
+                cluster._run(
+                    "pg_ctl", "start", "-D", str(cluster.data), "-l", str(directory / "server.log"), "-w", "-t", "60"
+                )
                 break
             except RuntimeError:
                 if "could not bind" not in cluster._log_tail() and "in use" not in cluster._log_tail():
