@@ -7,9 +7,9 @@ lease durations, limits and the worker token are the same everywhere.
 
 from django.conf import settings
 from django.core.management import CommandError
-from workflows.config import Config, ConfigError, find_config_path, load
 
 from jobqueue import conf
+from workflows.config import Config, ConfigError, find_config_path, load
 
 
 def configure(explicit_path: str | None = None) -> Config:

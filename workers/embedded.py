@@ -1,8 +1,7 @@
 """The embedded worker: the same runtime as a remote worker, on the in-process transport."""
 
-from workflows.config import Config
-
 from workflows import runners
+from workflows.config import Config
 
 from .executor import Executor
 from .history import DatabaseHistory

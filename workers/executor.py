@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from workflows.config import Config, StepConfig
-
 from jobqueue.services import Claim
 from workflows import runners, templates
+from workflows.config import Config, StepConfig
 
 from .pgroups import ProcessGroups, group_alive, terminate_group
 

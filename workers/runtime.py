@@ -23,20 +23,13 @@ import random
 import threading
 import time
 
-from jobqueue.exceptions import NotFound, QueueError, SessionSuperseded, StaleAttempt, Unavailable
+from jobqueue.exceptions import NotFound, SessionSuperseded, StaleAttempt, Unavailable
 from jobqueue.services import Claim
 
 from .executor import Executor, Outcome
-from .transport import Registration, Transport, WorkerSpec
+from .transport import Registration, Transport, TransportError, WorkerSpec
 
 log = logging.getLogger("apiary.worker")
-
-
-class TransportError(QueueError):
-    """The control plane could not be reached (connection refused, timeout, 5xx)."""
-
-    code = "transport_error"
-
 
 RETRYABLE = (Unavailable, TransportError)
 
@@ -60,12 +53,14 @@ class WorkerRuntime:
         executor: Executor,
         claim_wait: float = 1.0,
         fence_margin: float | None = None,
+        outbox=None,
     ):
         self.transport = transport
         self.spec = spec
         self.executor = executor
         self.claim_wait = claim_wait
         self.fence_margin = fence_margin
+        self.outbox = outbox  # workers.localdb.LocalDB for remote workers: finishes survive restarts
         self.registration: Registration | None = None
         self.active: dict[int, ActiveJob] = {}
         self.lock = threading.Lock()
@@ -79,6 +74,9 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Registration:
+        # Finishes a previous process could not deliver go first: registering
+        # expires the attempts the old session still holds.
+        self.flush_outbox()
         self.registration = self.transport.register(self.spec)
         self.last_contact = time.monotonic()
         self.next_worker_heartbeat = self.last_contact + self.registration.heartbeat_interval
@@ -262,6 +260,28 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ jobs
 
+    def flush_outbox(self) -> int:
+        """Resend every unacknowledged finish; returns how many are still pending."""
+        if self.outbox is None:
+            return 0
+        pending = self.outbox.pending()
+        for entry in pending:
+            try:
+                state = self.transport.finish(
+                    attempt_id=entry["attempt_id"], token=entry["token"], outcome=entry["outcome"],
+                    summary=entry["summary"], error=entry["error"],
+                )
+            except (StaleAttempt, NotFound) as exc:
+                log.warning("outbox: finish of attempt %s refused as stale (%s); dropped", entry["attempt_id"], exc.message)
+                self.outbox.acknowledge(entry["attempt_id"], "stale")
+            except RETRYABLE as exc:
+                log.warning("outbox: finish of attempt %s not delivered yet (%s)", entry["attempt_id"], exc)
+                return len(pending)
+            else:
+                log.info("outbox: finish of job %s attempt %s delivered → job %s", entry["job_id"], entry["attempt_id"], state)
+                self.outbox.acknowledge(entry["attempt_id"], state)
+        return 0
+
     def _run_job(self, job: ActiveJob) -> None:
         claim = job.claim
         try:
@@ -279,6 +299,8 @@ class WorkerRuntime:
 
     def _finish(self, job: ActiveJob, outcome: Outcome) -> None:
         claim = job.claim
+        if self.outbox is not None:
+            self.outbox.record_finish(claim=claim, outcome=outcome.outcome, summary=outcome.summary, error=outcome.error)
         delay = 0.2
         while True:
             try:
@@ -291,20 +313,26 @@ class WorkerRuntime:
                 )
             except (StaleAttempt, NotFound) as exc:
                 log.warning("finish of job %s attempt %s refused as stale: %s; result discarded", claim.job_id, claim.attempt_id, exc.message)
+                self._acknowledge(claim, "stale")
                 return
             except SessionSuperseded as exc:
                 self._superseded(exc)
                 return
             except RETRYABLE as exc:
-                if job.discard:
+                if job.discard:  # self-fenced while retrying: the outbox resends after a restart
                     return
                 log.warning("finish of attempt %s failed (%s); retrying in %.1fs", claim.attempt_id, exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0) * random.uniform(0.8, 1.2)
                 continue
+            self._acknowledge(claim, state)
             self.finished_count += 1
             log.info(
                 "finish: job %s attempt %s outcome %s → job %s%s",
                 claim.job_id, claim.attempt_id, outcome.outcome, state, f" ({outcome.error})" if outcome.error else "",
             )
             return
+
+    def _acknowledge(self, claim: Claim, answer: str) -> None:
+        if self.outbox is not None:
+            self.outbox.acknowledge(claim.attempt_id, answer)

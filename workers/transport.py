@@ -14,7 +14,20 @@ from typing import Protocol
 from django.db import close_old_connections, connection
 
 from jobqueue import conf, services
+from jobqueue.exceptions import QueueError
 from jobqueue.services import Claim, Heartbeat
+
+
+class TransportError(QueueError):
+    """The control plane could not be reached (connection refused, timeout, 5xx); retryable."""
+
+    code = "transport_error"
+
+
+class Unauthorized(QueueError):
+    """The control plane refused the worker token; not retryable."""
+
+    code = "unauthorized"
 
 
 @dataclasses.dataclass(frozen=True)

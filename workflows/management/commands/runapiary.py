@@ -3,12 +3,14 @@
 import argparse
 import logging
 import signal
+import subprocess
 import threading
 
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from apiary_site import bootstrap
+from apiary_site import listener as apiary_listener
 from jobqueue import services as queue
 from jobqueue.exceptions import Unavailable
 from workers.embedded import embedded_runtime
@@ -40,6 +42,18 @@ class Command(BaseCommand):
         )
         for warning in config.warnings:
             log.warning("config: %s", warning)
+
+        listener = None
+        queue_settings = config.settings.queue
+        if queue_settings.listen:
+            if not queue_settings.worker_token:
+                raise CommandError(
+                    "settings.queue.listen is set but settings.queue.worker_token is empty: "
+                    "refusing to serve the worker protocol without a token",
+                    returncode=2,
+                )
+            listener = apiary_listener.start(queue_settings.listen, config_path=str(config.path))
+            log.info("worker protocol listening on %s (gunicorn, pid %s)", queue_settings.listen, listener.pid)
 
         control = ControlPlane(config=config)
         runtime = thread = None
@@ -75,6 +89,10 @@ class Command(BaseCommand):
                 if runtime and runtime.fatal:
                     exit_code = 1
                     break
+                if listener and listener.poll() is not None:
+                    log.error("the worker protocol listener exited with code %s; stopping", listener.returncode)
+                    exit_code = 1
+                    break
                 if options["until_idle"] and control.idle() and (runtime is None or runtime.idle()):
                     log.info("idle: every source polled, no job queued or leased")
                     break
@@ -83,6 +101,12 @@ class Command(BaseCommand):
                 runtime.request_drain("shutting down")
                 thread.join()
         finally:
+            if listener and listener.poll() is None:
+                listener.terminate()  # gunicorn: graceful stop of its workers
+                try:
+                    listener.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    listener.kill()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if exit_code:

@@ -1,0 +1,161 @@
+"""The remote worker's transport: the worker protocol v1 over HTTP.
+
+One `requests.Session` (keep-alive), connect and read timeouts, retries with
+jittered exponential backoff on connection errors and 503 — never on other
+4xx, which are answers, not accidents. Error codes come back as the same
+domain exceptions the in-process transport raises.
+"""
+
+import datetime as dt
+import logging
+import os
+import random
+import socket
+import time
+
+import requests
+
+from jobqueue.exceptions import InvalidRequest, NotFound, SessionSuperseded, StaleAttempt
+from jobqueue.services import Claim, Heartbeat
+
+from .transport import Registration, TransportError, Unauthorized, WorkerSpec
+
+log = logging.getLogger("apiary.worker")
+
+PROTOCOL_PATH = "/api/worker/v1/"
+ERRORS = {
+    "stale_attempt": StaleAttempt,
+    "session_superseded": SessionSuperseded,
+    "not_found": NotFound,
+    "unsupported_protocol": NotFound,
+    "invalid_request": InvalidRequest,
+    "unauthorized": Unauthorized,
+    "payload_too_large": InvalidRequest,
+}
+
+
+def parse_time(value: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+class HttpTransport:
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        token: str,
+        worker_id: str,
+        ca_cert: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 15.0,
+        attempts: int = 4,
+        version: str = "",
+    ):
+        self.base = base_url.rstrip("/") + PROTOCOL_PATH
+        self.worker_id = worker_id
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.attempts = attempts
+        self.version = version
+        self.session = requests.Session()
+        self.session.headers.update({"Authorization": f"Bearer {token}", "Accept": "application/json"})
+        if ca_cert:
+            self.session.verify = ca_cert
+
+    def _call(self, method: str, path: str, body: dict | None = None, *, extra_read: float = 0.0) -> dict:
+        delay = 0.25
+        for attempt in range(1, self.attempts + 1):
+            try:
+                response = self.session.request(
+                    method, self.base + path, json=body, timeout=(self.connect_timeout, self.read_timeout + extra_read)
+                )
+            except requests.RequestException as exc:
+                failure = TransportError(f"{method} {path}: {type(exc).__name__}: {exc}")
+            else:
+                if response.status_code < 400:
+                    return response.json()
+                try:
+                    error = response.json()["error"]
+                except (ValueError, KeyError, TypeError):
+                    error = {"code": "unavailable" if response.status_code >= 500 else "invalid_request",
+                             "message": f"HTTP {response.status_code}"}
+                code, message = error.get("code", ""), error.get("message", "")
+                if response.status_code < 500 and code in ERRORS:
+                    raise ERRORS[code](message, **(error.get("details") or {}))
+                if response.status_code < 500:
+                    raise InvalidRequest(f"{method} {path}: HTTP {response.status_code} {code}: {message}")
+                failure = TransportError(f"{method} {path}: HTTP {response.status_code} {code}: {message}")
+            if attempt == self.attempts:
+                raise failure
+            time.sleep(delay * random.uniform(0.5, 1.5))  # jitter: no lockstep between workers
+            delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    def register(self, spec: WorkerSpec) -> Registration:
+        answer = self._call(
+            "POST",
+            "workers/register",
+            {
+                "worker_id": spec.worker_id,
+                "pool": spec.pool,
+                "labels": list(spec.labels),
+                "capabilities": list(spec.capabilities),
+                "capacity": spec.capacity,
+                "version": self.version,
+                "hostname": socket.gethostname(),
+                "pid": os.getpid(),
+            },
+        )
+        return Registration(
+            session=answer["session"],
+            lease_duration=float(answer["lease_duration"]),
+            heartbeat_interval=float(answer["heartbeat_interval"]),
+            worker_timeout=float(answer["worker_timeout"]),
+        )
+
+    def worker_heartbeat(self, *, session: str, draining: bool, ready: bool) -> bool:
+        answer = self._call(
+            "POST", f"workers/{self.worker_id}/heartbeat", {"session": session, "draining": draining, "ready": ready}
+        )
+        return bool(answer["drain"])
+
+    def claim(self, *, session: str, max_jobs: int, wait: float) -> list[Claim]:
+        answer = self._call(
+            "POST",
+            "claims",
+            {"worker_id": self.worker_id, "session": session, "max_jobs": max_jobs, "wait": wait},
+            extra_read=wait,
+        )
+        return [
+            Claim(
+                job_id=job["job_id"],
+                attempt_id=job["attempt_id"],
+                attempt_number=job["attempt_number"],
+                token=job["token"],
+                lease_expires_at=parse_time(job["lease_expires_at"]),
+                workflow=job["workflow"],
+                instance_id=job["instance_id"],
+                agent=job["agent"],
+                runner=job["runner"],
+                task=job["task"],
+            )
+            for job in answer["jobs"]
+        ]
+
+    def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat:
+        answer = self._call("POST", f"attempts/{attempt_id}/heartbeat", {"token": token})
+        return Heartbeat(lease_expires_at=parse_time(answer["lease_expires_at"]), cancel=bool(answer["cancel"]))
+
+    def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str:
+        answer = self._call(
+            "POST",
+            f"attempts/{attempt_id}/finish",
+            {"token": token, "outcome": outcome, "summary": summary, "error": error},
+        )
+        return answer["job_state"]
+
+    def status(self) -> dict:
+        return self._call("GET", "status")
+
+    def close(self) -> None:
+        """Job threads call this when they end; the session stays for the others."""

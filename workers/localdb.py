@@ -1,0 +1,93 @@
+"""A remote worker's own SQLite database, `.apiary/workers/<worker-id>.db`:
+detailed workflow and step history, and the outbox of finishes.
+
+A finish is written to the outbox before it is sent and stays there until the
+control plane acknowledges it (or refuses it as stale), so a finish survives
+a lost response, a control-plane restart and a restart of the worker itself.
+"""
+
+import datetime as dt
+import json
+import sqlite3
+import threading
+from pathlib import Path
+
+from jobqueue.services import Claim
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS step_runs (
+    instance_id INTEGER NOT NULL, attempt_number INTEGER NOT NULL, step_id TEXT NOT NULL,
+    job_id INTEGER NOT NULL, attempt_id INTEGER NOT NULL, workflow TEXT NOT NULL,
+    status TEXT NOT NULL, started_at TEXT NOT NULL, ended_at TEXT, exit_code INTEGER,
+    log_path TEXT, output_tail TEXT,
+    PRIMARY KEY (instance_id, attempt_number, step_id)
+);
+CREATE TABLE IF NOT EXISTS outbox (
+    attempt_id INTEGER PRIMARY KEY, job_id INTEGER NOT NULL, token TEXT NOT NULL,
+    outcome TEXT NOT NULL, summary TEXT NOT NULL, error TEXT,
+    written_at TEXT NOT NULL, acked_at TEXT, answer TEXT
+);
+"""
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat()
+
+
+class LocalDB:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.lock = threading.Lock()
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(SCHEMA)
+
+    def _run(self, statement: str, params=()):
+        with self.lock:
+            return self.db.execute(statement, params).fetchall()
+
+    # executor.History
+
+    def step_started(self, *, claim: Claim, worker_id: str, step_id: str, started_at: dt.datetime, log_path: str) -> None:
+        self._run(
+            "INSERT OR REPLACE INTO step_runs (instance_id, attempt_number, step_id, job_id, attempt_id, workflow,"
+            " status, started_at, log_path) VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?)",
+            (claim.instance_id, claim.attempt_number, step_id, claim.job_id, claim.attempt_id, claim.workflow,
+             started_at.isoformat(), log_path),
+        )
+
+    def step_finished(self, *, claim: Claim, worker_id: str, step_id: str, result) -> None:
+        self._run(
+            "UPDATE step_runs SET status = ?, ended_at = ?, exit_code = ?, output_tail = ?"
+            " WHERE instance_id = ? AND attempt_number = ? AND step_id = ?",
+            (result.status, result.ended_at.isoformat(), result.exit_code, result.output_tail,
+             claim.instance_id, claim.attempt_number, step_id),
+        )
+
+    # the outbox
+
+    def record_finish(self, *, claim: Claim, outcome: str, summary: dict, error: str | None) -> None:
+        self._run(
+            "INSERT OR IGNORE INTO outbox (attempt_id, job_id, token, outcome, summary, error, written_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (claim.attempt_id, claim.job_id, claim.token, outcome, json.dumps(summary), error, _now()),
+        )
+
+    def acknowledge(self, attempt_id: int, answer: str) -> None:
+        self._run("UPDATE outbox SET acked_at = ?, answer = ?, token = '' WHERE attempt_id = ?", (_now(), answer, attempt_id))
+
+    def pending(self) -> list[dict]:
+        rows = self._run(
+            "SELECT attempt_id, job_id, token, outcome, summary, error FROM outbox WHERE acked_at IS NULL"
+            " ORDER BY written_at"
+        )
+        return [
+            {"attempt_id": a, "job_id": j, "token": t, "outcome": o, "summary": json.loads(s), "error": e}
+            for a, j, t, o, s, e in rows
+        ]
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()

@@ -1,0 +1,108 @@
+"""`apiary worker`: a remote worker claiming jobs from a control plane over HTTP."""
+
+import logging
+import os
+import signal
+import threading
+
+from django.core.management.base import BaseCommand, CommandError
+
+from workers.embedded import capabilities_for
+from workers.executor import Executor
+from workers.http import HttpTransport
+from workers.localdb import LocalDB
+from workers.pgroups import ProcessGroups
+from workers.runtime import WorkerRuntime
+from workers.transport import TransportError, Unauthorized, WorkerSpec
+from workflows import runners
+from workflows.config import ConfigError, find_config_path, load
+
+log = logging.getLogger("apiary.worker")
+
+
+class Command(BaseCommand):
+    help = "Run a remote worker: claim jobs from a control plane over the worker protocol and run them."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--control-plane", required=True, help="base URL, e.g. http://10.0.0.5:8080")
+        parser.add_argument("--token", help="worker token (default: $APIARY_WORKER_TOKEN)")
+        parser.add_argument("--id", dest="worker_id", required=True, help="worker id, unique per process")
+        parser.add_argument("--pool", default=None)
+        parser.add_argument("--label", action="append", default=[], help="repeatable")
+        parser.add_argument("--capability", action="append", default=[], help="repeatable")
+        parser.add_argument("--capacity", type=int, default=1)
+        parser.add_argument("--config", help="apiary.yaml with the agents and workflows (default: ./apiary.yaml)")
+        parser.add_argument("--ca-cert", help="CA bundle to verify an https:// control plane")
+        parser.add_argument("--claim-wait", type=float, default=10.0, help="long-poll seconds per claim (0–30)")
+        parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL of a step")
+
+    def handle(self, *args, **options):
+        token = options["token"] or os.environ.get("APIARY_WORKER_TOKEN", "")
+        if not token:
+            raise CommandError("no worker token: pass --token or set APIARY_WORKER_TOKEN", returncode=2)
+        if options["capacity"] < 1:
+            raise CommandError(f"--capacity must be at least 1, got {options['capacity']}", returncode=2)
+        try:
+            config = load(find_config_path(options["config"]))
+        except ConfigError as exc:
+            raise CommandError(str(exc), returncode=2) from exc
+        worker_id = options["worker_id"]
+        state = config.state_dir
+        groups = ProcessGroups(state / "run" / worker_id)
+        groups.reap_orphans(grace=options["grace"])
+        localdb = LocalDB(state / "workers" / f"{worker_id}.db")
+        spec = WorkerSpec(
+            worker_id=worker_id,
+            pool=options["pool"],
+            labels=tuple(sorted(set(options["label"]))),
+            capabilities=capabilities_for(runners.available_adapters(), tuple(options["capability"])),
+            capacity=options["capacity"],
+        )
+        transport = HttpTransport(
+            base_url=options["control_plane"], token=token, worker_id=worker_id, ca_cert=options["ca_cert"]
+        )
+        runtime = WorkerRuntime(
+            transport=transport,
+            spec=spec,
+            executor=Executor(config=config, worker_id=worker_id, history=localdb, groups=groups, grace=options["grace"]),
+            claim_wait=max(0.0, min(30.0, options["claim_wait"])),
+            outbox=localdb,
+        )
+        count = {"signals": 0}
+
+        def on_signal(signum, frame):
+            count["signals"] += 1
+            if count["signals"] == 1:
+                runtime.request_drain(f"{signal.Signals(signum).name}; a second signal stops running jobs")
+            else:
+                runtime.cancel_all("second signal")
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        try:
+            self._start(runtime)
+        except Unauthorized as exc:
+            raise CommandError(f"the control plane refused the worker token: {exc}", returncode=2) from exc
+        # The claim loop runs in a thread so this thread stays free for signals.
+        result = {}
+        loop = threading.Thread(target=lambda: result.setdefault("code", runtime.run()), name="claim-loop")
+        loop.start()
+        while loop.is_alive():
+            loop.join(0.2)
+        localdb.close()
+        if result.get("code", 1):
+            raise SystemExit(result.get("code", 1))
+
+    def _start(self, runtime: WorkerRuntime) -> None:
+        """Register, waiting out a control plane that is not up yet."""
+        delay = 0.5
+        while True:
+            try:
+                runtime.start()
+                return
+            except TransportError as exc:
+                if runtime.draining.is_set():
+                    raise SystemExit(0) from exc
+                log.warning("control plane not reachable (%s); retrying in %.1fs", exc, delay)
+                threading.Event().wait(delay)
+                delay = min(delay * 2, 10.0)
