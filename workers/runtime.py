@@ -54,6 +54,7 @@ class WorkerRuntime:
         claim_wait: float = 1.0,
         fence_margin: float | None = None,
         outbox=None,
+        monotonic=time.monotonic,
     ):
         self.transport = transport
         self.spec = spec
@@ -61,6 +62,7 @@ class WorkerRuntime:
         self.claim_wait = claim_wait
         self.fence_margin = fence_margin
         self.outbox = outbox  # workers.localdb.LocalDB for remote workers: finishes survive restarts
+        self.monotonic = monotonic  # the worker's own clock for self-fencing; tests pass a fake one
         self.registration: Registration | None = None
         self.active: dict[int, ActiveJob] = {}
         self.lock = threading.Lock()
@@ -78,7 +80,7 @@ class WorkerRuntime:
         # expires the attempts the old session still holds.
         self.flush_outbox()
         self.registration = self.transport.register(self.spec)
-        self.last_contact = time.monotonic()
+        self.last_contact = self.monotonic()
         self.next_worker_heartbeat = self.last_contact + self.registration.heartbeat_interval
         log.info(
             "worker %s registered (pool=%s, capacity=%s, capabilities=%s)",
@@ -144,7 +146,7 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ claiming
 
     def reachable(self) -> bool:
-        return time.monotonic() - self.last_contact < self.registration.lease_duration / 2
+        return self.monotonic() - self.last_contact < self.registration.lease_duration / 2
 
     def claim_once(self, *, wait: float = 0.0) -> int:
         """Claim up to free capacity; returns how many jobs were started."""
@@ -154,7 +156,7 @@ class WorkerRuntime:
         if not self.reachable():
             self._call(lambda: self._send_worker_heartbeat())  # try to reach it; claim next time
             return 0
-        sent = time.monotonic()
+        sent = self.monotonic()
         claims = self._call(lambda: self.transport.claim(session=self.session, max_jobs=free, wait=wait))
         for claim in claims or []:
             log.info(
@@ -187,7 +189,7 @@ class WorkerRuntime:
             self.stopped.wait(tick)
 
     def heartbeat_once(self) -> None:
-        now = time.monotonic()
+        now = self.monotonic()
         if now >= self.next_worker_heartbeat:
             self.next_worker_heartbeat = now + self.registration.heartbeat_interval
             drain = self._call(self._send_worker_heartbeat)
@@ -200,11 +202,11 @@ class WorkerRuntime:
 
     def _send_worker_heartbeat(self, *, ready: bool = True) -> bool:
         drain = self.transport.worker_heartbeat(session=self.session, draining=self.draining.is_set(), ready=ready)
-        self.last_contact = time.monotonic()
+        self.last_contact = self.monotonic()
         return drain
 
     def _beat(self, job: ActiveJob) -> None:
-        now = time.monotonic()
+        now = self.monotonic()
         if job.discard or job.thread is None or not job.thread.is_alive():
             return
         if now >= job.acked_at + self.registration.lease_duration - self.margin:
@@ -226,7 +228,7 @@ class WorkerRuntime:
             self._superseded(exc)
             return
         job.acked_at = now
-        self.last_contact = time.monotonic()
+        self.last_contact = self.monotonic()
         if answer.cancel and not job.cancel.is_set():
             log.info("cancel requested: job %s attempt %s; stopping its runner", job.claim.job_id, job.claim.attempt_id)
             job.cancel.set()
@@ -255,7 +257,7 @@ class WorkerRuntime:
         except RETRYABLE as exc:
             log.warning("control plane unavailable: %s", exc)
             return None
-        self.last_contact = time.monotonic()
+        self.last_contact = self.monotonic()
         return result
 
     # ------------------------------------------------------------------ jobs
