@@ -1,0 +1,377 @@
+"""Runner adapters: build a step's command line and run it as a process group.
+
+Adapters (`runner` in apiary.yaml → adapter → executable):
+
+* `shell` → `shell` → `sh`: the agent's `command` (a string for `sh -c`, or
+  an argv list) gets the prompt on stdin and in `APIARY_PROMPT`.
+* `codex` → `codex-cli` → `codex`: `codex exec --skip-git-repo-check
+  [--model M] -- PROMPT`. The prompt is one positional argument (as the Codex
+  docs recommend); `codex exec` prints its progress on stderr and only the
+  final agent message on stdout, so stdout is the step's output.
+  `--skip-git-repo-check` because Apiary runs steps in its own workspace
+  directory (`.apiary/workspaces/<task>/`), which is usually not a Git
+  repository and which codex would otherwise refuse to work in.
+* `claude` → `claude-code` → `claude`: `claude -p [--model M] -- PROMPT`.
+
+Both agent CLIs get `--` before the prompt: task text is untrusted, and a
+prompt that starts with `-` (a Markdown list, or `--dangerously-…`) must
+never be parsed as an option; after `--` clap (codex) and commander (claude)
+treat everything as positional, and clap also stops matching subcommands
+(a prompt reading "resume" stays a prompt). Their stdin is /dev/null: both
+read piped stdin as extra context, and an inherited stdin could block them.
+
+`run_step` starts the process in a new session (its own process group, whose
+id the caller records so a successor can end what a killed daemon left
+behind), streams stdout and stderr into the step log as they arrive, keeps
+stdout as the step's output, and stops the whole group on timeout or cancel:
+SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workflows.config import AgentConfig
+
+logger = logging.getLogger("apiary.runners")
+
+ADAPTER_OF = {"shell": "shell", "codex": "codex-cli", "claude": "claude-code"}
+EXECUTABLE = {"codex-cli": "codex", "claude-code": "claude", "shell": "sh"}
+
+OUTPUT_CAP = 1024 * 1024  # bytes of stdout kept for `steps.<id>.output`; the log has everything
+POLL_INTERVAL = 0.05  # how often a running step checks cancel/timeout (the contract is ≤ 0.1 s)
+KILL_WAIT = 5.0  # how long to wait for a SIGKILLed group to disappear before giving up
+
+
+@dataclass(frozen=True)
+class StepResult:
+    status: str  # succeeded | failed | cancelled | timed_out
+    exit_code: int | None  # None when never started or stopped by us; negative = killed by that signal
+    started_at: datetime
+    ended_at: datetime
+    duration: float
+    log_path: str
+    output: str  # stdout, capped at OUTPUT_CAP bytes
+    output_tail: str  # the last bytes of stdout+stderr, for status and history
+
+
+def available_adapters(path: str | None = None) -> set[str]:
+    """Adapters whose executable is on PATH (`path` overrides $PATH)."""
+    return {adapter for adapter, exe in EXECUTABLE.items() if shutil.which(exe, path=path)}
+
+
+def build_prompt_command(agent: AgentConfig, prompt: str) -> tuple[list[str], str | None, dict[str, str]]:
+    """(argv, stdin text, extra environment) for a prompt step of `agent`.
+
+    The extra environment holds only what the adapter needs; the caller
+    layers it over the base, agent and step environments."""
+    adapter = agent.adapter or ADAPTER_OF.get(agent.runner, "")
+    if adapter == "shell":
+        if not agent.command:
+            raise ValueError(f"agent {agent.id!r} (runner shell) has no command to run prompts with")
+        argv = ["sh", "-c", agent.command] if isinstance(agent.command, str) else [str(a) for a in agent.command]
+        return argv, prompt, {"APIARY_PROMPT": prompt}
+    model = ["--model", agent.model] if agent.model else []
+    if adapter == "codex-cli":
+        return ["codex", "exec", "--skip-git-repo-check", *model, "--", prompt], None, {}
+    if adapter == "claude-code":
+        return ["claude", "-p", *model, "--", prompt], None, {}
+    raise ValueError(f"agent {agent.id!r}: unknown adapter {adapter!r} (expected one of {sorted(EXECUTABLE)})")
+
+
+def build_run_command(run_text: str) -> list[str]:
+    """argv for a `run` step; `run_text` must already be rendered with shell=True."""
+    return ["sh", "-c", run_text]
+
+
+def run_step(
+    argv: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    stdin: str | None,
+    log_path: Path,
+    timeout: float | None,
+    cancel: threading.Event,
+    grace: float = 5.0,
+    on_spawn: Callable[[int], None] | None = None,
+    tail_bytes: int = 4000,
+) -> StepResult:
+    """Run one step to its end and report how it ended. Never raises for the
+    step's own failures (missing executable, bad cwd, non-zero exit).
+
+    `env` is the complete environment of the process (not merged with ours)."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started_at = datetime.now(UTC)
+    began = time.monotonic()
+    capture = _Capture(tail_bytes=tail_bytes)
+
+    def result(status: str, exit_code: int | None) -> StepResult:
+        return StepResult(
+            status=status,
+            exit_code=exit_code,
+            started_at=started_at,
+            ended_at=datetime.now(UTC),
+            duration=time.monotonic() - began,
+            log_path=str(log_path),
+            output=capture.output(),
+            output_tail=capture.tail(),
+        )
+
+    # Append: a rerun of the step (a new attempt) must not erase what the previous one logged.
+    with open(log_path, "ab", buffering=0) as log:
+        if cancel.is_set():
+            return result("cancelled", None)
+        try:
+            proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            message = f"apiary: cannot start {argv[0]!r} in {cwd}: {exc}\n".encode()
+            log.write(message)
+            capture.add(message, stdout=False)
+            return result("failed", None)
+
+        pgid = proc.pid  # start_new_session: the child leads its own session and group
+        if on_spawn is not None:
+            try:
+                on_spawn(pgid)
+            except Exception:
+                # Without the record a successor could not clean up; do not run unrecorded.
+                kill_process_group(pgid, 0)
+                proc.wait()
+                raise
+        reader_done = threading.Event()
+        reader = threading.Thread(
+            target=_pump, args=(proc, log, capture, reader_done), name=f"step-log-{pgid}", daemon=True
+        )
+        reader.start()
+        if stdin is not None:
+            threading.Thread(target=_feed, args=(proc, stdin), name=f"step-stdin-{pgid}", daemon=True).start()
+
+        deadline = None if timeout is None else began + timeout
+        stopped_because = None
+        while proc.poll() is None:
+            if cancel.is_set():
+                stopped_because = "cancelled"
+            elif deadline is not None and time.monotonic() >= deadline:
+                stopped_because = "timed_out"
+            if stopped_because:
+                break
+            wait = POLL_INTERVAL if deadline is None else max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
+            cancel.wait(wait)
+
+        # Whatever is left of the group goes too — after a stop, and also after a normal exit:
+        # a background child of the step would otherwise outlive it and hold the log pipes open.
+        if stopped_because:
+            logger.info("step pgid %s: %s, stopping its process group", pgid, stopped_because)
+        _stop_group(proc, grace=grace)
+        reader_done.set()
+        reader.join()
+        exit_code = proc.returncode
+        if stopped_because:
+            note = f"\napiary: step {stopped_because.replace('_', ' ')} (exit {exit_code})\n".encode()
+            log.write(note)
+            capture.add(note, stdout=False)
+            return result(stopped_because, exit_code)
+        return result("succeeded" if exit_code == 0 else "failed", exit_code)
+
+
+def kill_process_group(pgid: int, grace: float = 5.0, *, leader_started: int | None = None) -> bool:
+    """SIGTERM the group, SIGKILL it after `grace` seconds; True once no live
+    process of it is left.
+
+    `leader_started` (from `process_start_time`, recorded at spawn) guards a
+    successor against PID reuse: if the group's leader is alive but started
+    at another time, the group is someone else's and is left alone (False)."""
+    if leader_started is not None:
+        started = process_start_time(pgid)
+        if started is not None and started != leader_started:
+            return False
+    if not _signal_group(pgid, signal.SIGTERM):
+        return True
+    deadline = time.monotonic() + grace
+    while process_group_alive(pgid):
+        if time.monotonic() >= deadline:
+            _signal_group(pgid, signal.SIGKILL)
+            return _wait_group_gone(pgid, KILL_WAIT)
+        time.sleep(POLL_INTERVAL)
+    return True
+
+
+def process_group_alive(pgid: int) -> bool:
+    """True while a live (not zombie) process of the group exists.
+
+    Zombies are ignored: an orphan's zombie waits for init to reap it, which
+    some inits do late or never, and a zombie runs nothing."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, it is just not ours to signal
+    members = _group_states(pgid)
+    if members is None:  # no /proc: trust the signal probe
+        return True
+    return any(state not in "ZX" for state in members)
+
+
+def process_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (Linux), or None."""
+    stat = _read_stat(pid)
+    return int(stat[19]) if stat else None
+
+
+def _stop_group(proc: subprocess.Popen, *, grace: float) -> None:
+    """End every process of the step's group and reap the leader."""
+    pgid = proc.pid
+    if _group_has_live_members(proc):
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while _group_has_live_members(proc) and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL)
+        if _group_has_live_members(proc):
+            _signal_group(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + KILL_WAIT
+            while _group_has_live_members(proc) and time.monotonic() < deadline:
+                time.sleep(POLL_INTERVAL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=KILL_WAIT)
+    if proc.returncode is None:
+        logger.error("step pgid %s: leader did not exit after SIGKILL", pgid)
+
+
+def _group_has_live_members(proc: subprocess.Popen) -> bool:
+    proc.poll()  # reap the leader as soon as it exits, so its zombie does not count
+    return process_group_alive(proc.pid)
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while process_group_alive(pgid):
+        if time.monotonic() >= deadline:
+            logger.error("process group %s still has live processes after SIGKILL", pgid)
+            return False
+        time.sleep(POLL_INTERVAL)
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to the group; False when the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        logger.warning("not permitted to signal process group %s", pgid)
+    return True
+
+
+def _read_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (index 0 = state)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name is in parentheses and may itself contain spaces or ')'.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def _group_states(pgid: int) -> list[str] | None:
+    """States of the processes in group `pgid`, or None without /proc."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    states = []
+    for name in entries:
+        if name.isdigit():
+            stat = _read_stat(int(name))
+            if stat and int(stat[2]) == pgid:
+                states.append(stat[0])
+    return states
+
+
+class _Capture:
+    """Keeps stdout (capped) for the step output and a tail of everything."""
+
+    def __init__(self, *, tail_bytes: int) -> None:
+        self._stdout = bytearray()
+        self._tail = bytearray()
+        self._tail_bytes = tail_bytes
+        self._lock = threading.Lock()
+
+    def add(self, chunk: bytes, *, stdout: bool) -> None:
+        with self._lock:
+            if stdout and len(self._stdout) < OUTPUT_CAP:
+                self._stdout += chunk[: OUTPUT_CAP - len(self._stdout)]
+            self._tail += chunk
+            if len(self._tail) > self._tail_bytes:
+                del self._tail[: len(self._tail) - self._tail_bytes]
+
+    def output(self) -> str:
+        with self._lock:
+            return self._stdout.decode("utf-8", errors="replace")
+
+    def tail(self) -> str:
+        with self._lock:
+            return self._tail.decode("utf-8", errors="replace")
+
+
+def _pump(proc: subprocess.Popen, log, capture: _Capture, done: threading.Event) -> None:
+    """Copy stdout and stderr into the log as they arrive, until both close —
+    or, once `done` is set (the group is gone), until nothing more is ready:
+    a process that escaped the group may still hold a pipe open."""
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ, True)
+    selector.register(proc.stderr, selectors.EVENT_READ, False)
+    try:
+        while selector.get_map():
+            ready = selector.select(timeout=0.1)
+            if not ready and done.is_set():
+                break
+            for key, _ in ready:
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                log.write(chunk)
+                capture.add(chunk, stdout=key.data)
+    finally:
+        selector.close()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def _feed(proc: subprocess.Popen, text: str) -> None:
+    """Write the prompt to stdin in its own thread so a large prompt cannot
+    deadlock against a full stdout pipe."""
+    try:
+        proc.stdin.write(text.encode())
+    except (BrokenPipeError, OSError):
+        pass  # the process does not read its stdin; that is its business
+    finally:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()

@@ -1,0 +1,269 @@
+"""Sources: turn a folder of files or a command's JSON output into items.
+
+`poll(source)` only reads; deciding what is new (the enqueue key makes a
+re-poll of an unchanged item a no-op) and what changed (`content_hash`) is the
+dispatcher's job. A source that cannot be read raises `SourceError`; the
+caller logs it and tries again next interval, keeping the tasks it knows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from workflows.runners import kill_process_group
+
+if TYPE_CHECKING:
+    from workflows.config import SourceConfig
+
+logger = logging.getLogger("apiary.sources")
+
+COMMAND_MIN_TIMEOUT = 60.0  # seconds; a command gets max(poll_interval, this)
+STDERR_TAIL = 2048  # bytes of stderr quoted in a SourceError
+_RESERVED = ("id", "title", "body", "updated_at")  # command fields that are not payload
+_FRONT_MATTER = re.compile(r"\A---[ \t]*\r?\n(.*?)^---[ \t]*(?:\r?\n|\Z)", re.DOTALL | re.MULTILINE)
+_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Item:
+    key: str
+    title: str
+    body: str
+    payload: dict
+    content_hash: str
+    updated_at: str | None
+
+
+class SourceError(Exception):
+    """A source could not be polled this time (missing folder, failing command, bad output)."""
+
+
+def poll(source: SourceConfig, *, cwd: Path | None = None) -> list[Item]:
+    """Every item the source offers now, sorted by key. `cwd` is where a
+    command runs and what a relative `path` is relative to (the config's folder)."""
+    if source.type == "directory":
+        return _poll_directory(source, cwd=cwd)
+    if source.type == "command":
+        return _poll_command(source, cwd=cwd)
+    raise SourceError(f"source {source.id!r}: unknown type {source.type!r} (expected 'directory' or 'command')")
+
+
+# --- directory -----------------------------------------------------------------------------------
+
+
+def _poll_directory(source: SourceConfig, *, cwd: Path | None) -> list[Item]:
+    root = Path(source.path)
+    if not root.is_absolute() and cwd is not None:
+        root = Path(cwd) / root
+    root = root.resolve()
+    if not root.is_dir():
+        raise SourceError(f"source {source.id!r}: directory {root} does not exist or is not a directory")
+    pattern = source.pattern or "*"
+    try:
+        paths = list(root.glob(pattern))
+    except (ValueError, NotImplementedError) as exc:
+        raise SourceError(f"source {source.id!r}: invalid pattern {pattern!r}: {exc}") from None
+    items = []
+    for path in paths:
+        relative = path.relative_to(root)
+        # Like a shell glob, skip hidden files and folders (.git, editor swap files, .DS_Store).
+        if any(part.startswith(".") for part in relative.parts) or not path.is_file():
+            continue
+        item = _file_item(source, path, relative.as_posix())
+        if item is not None:
+            items.append(item)
+    items.sort(key=lambda item: item.key)
+    return items
+
+
+def _file_item(source: SourceConfig, path: Path, key: str) -> Item | None:
+    try:
+        raw = path.read_bytes()
+        stat = path.stat()
+    except OSError as exc:
+        logger.warning("source %s: skipping %s: cannot read it (%s)", source.id, path, exc)
+        return None
+    if b"\0" in raw:
+        logger.warning("source %s: skipping %s: binary file", source.id, path)
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        logger.warning("source %s: skipping %s: not UTF-8 text", source.id, path)
+        return None
+    text = text.removeprefix("\ufeff")
+    fields: dict[str, Any] = {}
+    body = text
+    match = _FRONT_MATTER.match(text)
+    if match:
+        try:
+            loaded = yaml.safe_load(match.group(1))
+        except yaml.YAMLError as exc:
+            logger.warning("source %s: skipping %s: invalid YAML front matter (%s)", source.id, path, exc)
+            return None
+        if loaded is not None and not isinstance(loaded, dict):
+            logger.warning("source %s: skipping %s: front matter is not a mapping of fields", source.id, path)
+            return None
+        fields = _jsonable(loaded or {})
+        body = text[match.end() :]
+    title = fields.get("title")
+    title = str(title).strip() if title not in (None, "") else _title_from(body) or key
+    payload = {**fields, "path": str(path), "body": body}
+    updated = dt.datetime.fromtimestamp(stat.st_mtime, tz=dt.UTC).isoformat()
+    return Item(
+        key=key,
+        title=title,
+        body=body,
+        payload=payload,
+        content_hash=hashlib.sha256(raw).hexdigest(),
+        updated_at=updated,
+    )
+
+
+def _title_from(body: str) -> str:
+    """The first Markdown heading, else the first non-empty line."""
+    heading = _HEADING.search(body)
+    if heading:
+        return heading.group(1).strip()
+    for line in body.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _jsonable(value: Any) -> Any:
+    """YAML gives dates, sets and non-string keys; the payload is stored as JSON."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dt.date | dt.datetime):
+        return value.isoformat()
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+# --- command -------------------------------------------------------------------------------------
+
+
+def _poll_command(source: SourceConfig, *, cwd: Path | None) -> list[Item]:
+    command = source.command
+    if not command:
+        raise SourceError(f"source {source.id!r}: type 'command' needs a command")
+    argv = ["sh", "-c", command] if isinstance(command, str) else [str(part) for part in command]
+    timeout = max(float(source.poll_interval or 0), COMMAND_MIN_TIMEOUT)
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            # Its own group, so a timeout ends the command's children too (and frees the pipes).
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise SourceError(f"source {source.id!r}: cannot start {argv[0]!r}: {exc}") from exc
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_process_group(proc.pid, 1.0)
+        stdout, stderr = proc.communicate()
+        raise SourceError(
+            f"source {source.id!r}: command timed out after {timeout:g}s (exit {proc.returncode}); "
+            f"stderr tail: {_tail(stderr)}"
+        ) from None
+    if proc.returncode != 0:
+        raise SourceError(f"source {source.id!r}: command exited with {proc.returncode}; stderr tail: {_tail(stderr)}")
+    try:
+        objects = _parse_objects(stdout.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SourceError(
+            f"source {source.id!r}: malformed output (exit {proc.returncode}): {exc}; stderr tail: {_tail(stderr)}"
+        ) from None
+    items: dict[str, Item] = {}
+    for number, obj in enumerate(objects, start=1):
+        try:
+            item = _object_item(obj)
+        except ValueError as exc:
+            raise SourceError(
+                f"source {source.id!r}: object {number} of the output: {exc} (exit {proc.returncode}); "
+                f"stderr tail: {_tail(stderr)}"
+            ) from None
+        if item.key in items:
+            raise SourceError(f"source {source.id!r}: id {item.key!r} appears twice in the output")
+        items[item.key] = item
+    return sorted(items.values(), key=lambda item: item.key)
+
+
+def _parse_objects(text: str) -> list[dict]:
+    """A JSON array of objects, or JSON lines of objects."""
+    stripped = text.strip()
+    if not stripped:
+        return []
+    if stripped.startswith("["):
+        try:
+            loaded = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a JSON array: {exc}") from None
+        objects = loaded
+    else:
+        objects = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    objects.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"line {number} is not JSON: {exc}") from None
+    for number, obj in enumerate(objects, start=1):
+        if not isinstance(obj, dict):
+            raise ValueError(f"item {number} is {type(obj).__name__}, expected an object")
+    return objects
+
+
+def _object_item(obj: dict) -> Item:
+    if "id" not in obj:
+        raise ValueError(f"missing 'id' in {_preview(obj)}")
+    raw_id = obj["id"]
+    if isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or str(raw_id) == "":
+        raise ValueError(f"'id' must be a non-empty string or an integer, got {raw_id!r}")
+    key = str(raw_id)
+    body = _text(obj.get("body"))
+    title = _text(obj.get("title")) or _title_from(body) or key
+    updated = obj.get("updated_at")
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return Item(
+        key=key,
+        title=title,
+        body=body,
+        payload={k: v for k, v in obj.items() if k not in _RESERVED},
+        content_hash=hashlib.sha256(canonical.encode()).hexdigest(),
+        updated_at=None if updated is None else str(updated),
+    )
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _tail(stderr: bytes) -> str:
+    text = stderr[-STDERR_TAIL:].decode("utf-8", errors="replace").strip()
+    return text or "(empty)"
+
+
+def _preview(obj: dict) -> str:
+    text = json.dumps(obj, ensure_ascii=False)
+    return text if len(text) <= 200 else text[:200] + "…"
