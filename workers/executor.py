@@ -19,7 +19,7 @@ from jobqueue.services import Claim
 from workflows import runners, templates
 from workflows.config import Config, StepConfig
 
-from .pgroups import ProcessGroups, group_alive, terminate_group
+from .pgroups import ProcessGroups
 
 log = logging.getLogger("apiary.worker")
 
@@ -120,9 +120,7 @@ class Executor:
                 grace=self.grace,
                 on_spawn=on_spawn,
             )
-            for pgid in spawned:  # what the step left running in its group ends with it
-                if group_alive(pgid):
-                    terminate_group(pgid, grace=self.grace)
+            for pgid in spawned:  # run_step ended the whole group, background children too
                 self.groups.remove(pgid)
             self.history.step_finished(claim=claim, worker_id=self.worker_id, step_id=step.id, result=result)
             context["steps"][step.id] = {"output": result.output, "exit_code": result.exit_code, "status": result.status}
