@@ -10,6 +10,7 @@ import time
 from jobqueue import services as queue
 from jobqueue.clock import Clock
 from jobqueue.models import Job, JobState
+from jobqueue.selectors import BLOCKED_LIMIT, blocked_reasons
 
 from . import services, sources
 from .config import Config
@@ -61,6 +62,21 @@ class ControlPlane:
                 attempt.job_id, attempt.pk, attempt.number, attempt.worker_id, attempt.job.state,
             )
         return len(expired)
+
+    def stuck(self) -> list[dict]:
+        """Queued jobs that can never run as things stand: nothing is leased and
+        every queued job is blocked for a reason that waiting will not cure
+        (no worker in its pool, a missing label or runner, a pin to a worker
+        that is gone…). [] when any job may still run."""
+        if Job.objects.filter(state=JobState.LEASED).exists():
+            return []
+        queued = Job.objects.filter(state=JobState.QUEUED).count()
+        if not queued or queued > BLOCKED_LIMIT:
+            return []
+        blocked = blocked_reasons()
+        if len(blocked) < queued or any(b["reason"].startswith("not before") for b in blocked):
+            return []
+        return blocked
 
     def idle(self) -> bool:
         """Every source polled at least once and no job queued or leased."""

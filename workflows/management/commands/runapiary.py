@@ -27,7 +27,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--until-idle",
             action="store_true",
-            help="exit 0 once every source has been polled and no job is queued or leased",
+            help="exit 0 once every source has been polled and no job is queued or leased "
+            "(exit 3 when the queued jobs left can never run, e.g. no worker in their pool)",
         )
         parser.add_argument("--tick", type=float, default=0.2, help=argparse.SUPPRESS)
 
@@ -80,6 +81,7 @@ class Command(BaseCommand):
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         exit_code = 0
+        stuck_before: list[dict] = []
         try:
             while not stop.is_set():
                 try:
@@ -93,9 +95,18 @@ class Command(BaseCommand):
                     log.error("the worker protocol listener exited with code %s; stopping", listener.returncode)
                     exit_code = 1
                     break
-                if options["until_idle"] and control.idle() and (runtime is None or runtime.idle()):
-                    log.info("idle: every source polled, no job queued or leased")
-                    break
+                if options["until_idle"] and control.polled >= set(config.sources) and (runtime is None or runtime.idle()):
+                    if control.idle():
+                        log.info("idle: every source polled, no job queued or leased")
+                        break
+                    stuck = control.stuck()
+                    if stuck and stuck == stuck_before:  # the same verdict twice in a row, not a passing state
+                        for job in stuck:
+                            log.error("blocked: job %s: %s", job["job_id"], job["reason"])
+                        log.error("--until-idle: %d queued job(s) can never run as configured; exiting 3", len(stuck))
+                        exit_code = 3
+                        break
+                    stuck_before = stuck
                 stop.wait(options["tick"])
             if runtime:
                 runtime.request_drain("shutting down")
