@@ -1,0 +1,352 @@
+"""Child-process side of the queue benchmark.
+
+Django reads its settings once per process, so every measurement runs in a
+fresh process whose environment already names its database (`APIARY_DB_PATH`
+for SQLite, `DATABASE_URL` for PostgreSQL). Run as
+`python -m bench.measure KIND JSON`; the result is one `RESULT {json}` line on
+stdout, everything else goes to stderr.
+
+Kinds:
+  throughput  fresh DB: migrate, pre-create tasks, enqueue N jobs through
+              services.job_enqueue (timed), then start P claimer processes and
+              time them draining the queue.
+  claimer     one claiming process: register one worker, wait for GO on stdin,
+              loop jobs_claim(max_jobs=1) -> attempt_finish(succeeded) until
+              the queue is empty.
+  depth       fresh DB: bulk-fill DEPTH queued jobs (one RequirementSet),
+              EXPLAIN the claim's candidate query once, then time claim calls
+              (each followed by an untimed finish) in batches the parent asks
+              for on stdin, interleaved with the other depths.
+"""
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CAPABILITIES = ["apiary.workflow", "runner:shell"]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def emit(result: dict) -> None:
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def django_setup(*, migrate: bool) -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "apiary_site.settings")
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import django
+
+    django.setup()
+    if migrate:
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0)
+
+
+def database_facts() -> dict:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute("PRAGMA journal_mode")
+            journal = cursor.fetchone()[0]
+            cursor.execute("PRAGMA synchronous")
+            synchronous = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}[cursor.fetchone()[0]]
+            mode = connection.settings_dict["OPTIONS"].get("transaction_mode")
+            return {"vendor": "sqlite", "journal_mode": journal, "synchronous": synchronous, "transaction_mode": mode}
+        cursor.execute("SHOW server_version")
+        version = cursor.fetchone()[0]
+        cursor.execute("SHOW transaction_isolation")
+        return {"vendor": "postgresql", "server_version": version, "isolation": cursor.fetchone()[0]}
+
+
+def make_tasks(n: int, *, prefix: str) -> list:
+    """Tasks for the jobs to come, bulk-created (setup, never timed)."""
+    from workflows.models import Task
+
+    now = dt.datetime.now(dt.UTC)
+    tasks = [
+        Task(source="bench", item_key=f"{prefix}-{i}.md", title=f"bench {i}", created_at=now, updated_at=now)
+        for i in range(n)
+    ]
+    return Task.objects.bulk_create(tasks, batch_size=2000)
+
+
+# --------------------------------------------------------------------------- throughput
+
+
+def run_throughput(spec: dict) -> dict:
+    django_setup(migrate=True)
+    from django.db import connection
+
+    from jobqueue import services
+    from jobqueue.models import Attempt, Job, JobState
+
+    facts = database_facts()
+    jobs, procs = spec["jobs"], spec["procs"]
+    tasks = make_tasks(jobs, prefix="tp")
+    started = time.perf_counter()
+    for task in tasks:
+        services.job_enqueue(task=task, workflow="bench", agent="engineer", runner="shell", project="bench")
+    enqueue_s = time.perf_counter() - started
+    connection.close()  # the claimers own the database from here
+
+    claimers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.measure", "claimer", json.dumps({"worker_id": f"bench-{i}"})],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(procs)
+    ]
+    try:
+        for proc in claimers:  # each has set up Django and registered before the clock starts
+            line = proc.stdout.readline()
+            if line.strip() != "READY":
+                raise RuntimeError(f"claimer did not get ready: {line!r}")
+        for proc in claimers:
+            proc.stdin.write("GO\n")
+            proc.stdin.flush()
+        results = [_result_of(proc.communicate(timeout=600)[0]) for proc in claimers]
+    finally:
+        for proc in claimers:
+            if proc.poll() is None:
+                proc.kill()
+    claimed = sum(r["claimed"] for r in results)
+    span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    # Sanity: the lifecycle really ran, once per job.
+    succeeded = Job.objects.filter(state=JobState.SUCCEEDED).count()
+    attempts = Attempt.objects.count()
+    if not (claimed == succeeded == attempts == jobs):
+        raise RuntimeError(f"expected {jobs} jobs claimed once and succeeded: {claimed=} {succeeded=} {attempts=}")
+    return {
+        "db": facts,
+        "jobs": jobs,
+        "procs": procs,
+        "enqueue_per_s": jobs / enqueue_s,
+        "claim_finish_per_s": claimed / span,
+        "seconds": span,
+        "per_process": [r["claimed"] for r in results],
+        "unavailable_retries": sum(r["retries"] for r in results),
+    }
+
+
+def _result_of(stdout: str) -> dict:
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"no RESULT line in child output: {stdout[-500:]!r}")
+
+
+def run_claimer(spec: dict) -> dict:
+    django_setup(migrate=False)
+    from jobqueue import services
+    from jobqueue.exceptions import Unavailable
+
+    worker = services.worker_register(worker_id=spec["worker_id"], capabilities=CAPABILITIES, pid=os.getpid())
+    print("READY", flush=True)
+    if sys.stdin.readline().strip() != "GO":
+        raise SystemExit("no GO")
+    claimed = retries = 0
+    start = time.monotonic()  # CLOCK_MONOTONIC is system-wide on Linux: comparable across processes
+    while True:
+        try:
+            batch = services.jobs_claim(worker_id=worker.worker_id, session=worker.session, max_jobs=1)
+        except Unavailable:
+            retries += 1
+            continue
+        if not batch:
+            break
+        for c in batch:
+            while True:
+                try:
+                    services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
+                    break
+                except Unavailable:
+                    retries += 1
+            claimed += 1
+    return {"claimed": claimed, "start": start, "end": time.monotonic(), "retries": retries}
+
+
+# --------------------------------------------------------------------------- depth
+
+
+def fill(depth: int, *, ineligible: int = 0) -> None:
+    """DEPTH queued jobs with one RequirementSet, by bulk_create: benchmark
+    setup only; every measured change still goes through the services.
+    INELIGIBLE more jobs, older (so first in claim order), need a runner the
+    benchmark worker lacks: what a claim must not pay for (DESIGN §4)."""
+    from django.db import transaction
+
+    from jobqueue.models import Job, RequirementSet
+    from workflows.models import WorkflowInstance
+
+    now = dt.datetime.now(dt.UTC)
+    with transaction.atomic():
+        reqs = RequirementSet.objects.create(
+            pool=None,
+            labels=[],
+            capabilities=CAPABILITIES,
+            digest=RequirementSet.digest_of(None, [], CAPABILITIES),
+        )
+        other = ["apiary.workflow", "runner:codex"]
+        blocked = RequirementSet.objects.create(
+            pool=None, labels=[], capabilities=other, digest=RequirementSet.digest_of(None, [], other)
+        )
+        total = ineligible + depth
+        tasks = make_tasks(total, prefix="depth")
+        instances = WorkflowInstance.objects.bulk_create(
+            [WorkflowInstance(task=t, generation=1, workflow="bench", created_at=now) for t in tasks], batch_size=2000
+        )
+        # Spread available_at over the past so the order index has real work to do.
+        Job.objects.bulk_create(
+            [
+                Job(
+                    key=f"{t.pk}:1:bench",
+                    task=t,
+                    instance=inst,
+                    generation=1,
+                    workflow="bench",
+                    project="bench",
+                    source="bench",
+                    agent="engineer",
+                    runner="codex" if i < ineligible else "shell",
+                    requirements=blocked if i < ineligible else reqs,
+                    available_at=now - dt.timedelta(seconds=total - i),
+                    created_at=now,
+                )
+                for i, (t, inst) in enumerate(zip(tasks, instances, strict=True))
+            ],
+            batch_size=2000,
+        )
+
+
+def claim_spying(worker) -> tuple[object, tuple[str, list]]:
+    """One real claim, recording the candidate statement exactly as jobs_claim sends it."""
+    from django.db import connection
+
+    from jobqueue import services
+
+    seen: list[tuple[str, list]] = []
+
+    def spy(execute, statement, params, many, context):
+        if is_candidate_query(statement):
+            seen.append((statement, list(params or [])))
+        return execute(statement, params, many, context)
+
+    with connection.execute_wrapper(spy):
+        (c,) = services.jobs_claim(worker_id=worker.worker_id, session=worker.session, max_jobs=1)
+    if not seen:
+        raise RuntimeError("jobs_claim ran no candidate query")
+    return c, seen[0]
+
+
+def explain(statement: str, params: list) -> list[str]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute("EXPLAIN QUERY PLAN " + statement, params)
+            return [row[-1] for row in cursor.fetchall()]
+        cursor.execute("EXPLAIN " + statement, params)
+        return [row[0] for row in cursor.fetchall()]
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(samples)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def is_candidate_query(statement: str) -> bool:
+    return "FROM queue_job j" in statement and "ORDER BY j.priority DESC" in statement
+
+
+def run_depth(spec: dict) -> dict:
+    """Fill, print READY, then serve `CLAIM n` lines (n timed lifecycles each,
+    answered `DONE`) until `END`. The parent interleaves batches across the
+    depths, so a burst of disk load from other processes on this shared
+    machine lands on every depth alike instead of skewing one of them."""
+    django_setup(migrate=True)
+    from django.db import connection
+
+    from jobqueue import services
+
+    facts = database_facts()
+    depth, claims, warmup = spec["depth"], spec["claims"], spec["warmup"]
+    ineligible = spec.get("ineligible", 0)
+    started = time.perf_counter()
+    # Depth never drops below DEPTH while measuring: each measured claim takes one job for good.
+    fill(depth + claims + warmup + 1, ineligible=ineligible)
+    fill_s = time.perf_counter() - started
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:  # what autovacuum would soon do after a bulk load
+            cursor.execute("ANALYZE")
+    worker = services.worker_register(worker_id="bench-depth", capabilities=CAPABILITIES)
+    first, (statement, params) = claim_spying(worker)
+    services.attempt_finish(attempt_id=first.attempt_id, token=first.token, outcome="succeeded")
+    plan = explain(statement, params)
+
+    query_ms: list[float] = []
+
+    def timed_query(execute, sql_text, sql_params, many, context):
+        if not is_candidate_query(sql_text):
+            return execute(sql_text, sql_params, many, context)
+        t0 = time.perf_counter()
+        try:
+            return execute(sql_text, sql_params, many, context)
+        finally:
+            query_ms.append((time.perf_counter() - t0) * 1000)
+
+    def lifecycle() -> float:
+        t0 = time.perf_counter()
+        (c,) = services.jobs_claim(worker_id=worker.worker_id, session=worker.session, max_jobs=1)
+        elapsed = time.perf_counter() - t0
+        services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
+        return elapsed * 1000
+
+    for _ in range(warmup):
+        lifecycle()
+    samples: list[float] = []
+    print("READY", flush=True)
+    with connection.execute_wrapper(timed_query):
+        for line in sys.stdin:
+            command = line.split()
+            if command[0] == "END":
+                break
+            samples += [lifecycle() for _ in range(int(command[1]))]
+            print("DONE", flush=True)
+    if len(samples) > claims:
+        raise RuntimeError(f"asked for {len(samples)} claims, filled for {claims}")
+    return {
+        "db": facts,
+        "depth": depth,
+        "ineligible": ineligible,
+        "claims": len(samples),
+        "fill_seconds": fill_s,
+        "p50_ms": percentile(samples, 50),
+        "p99_ms": percentile(samples, 99),
+        "mean_ms": sum(samples) / len(samples),
+        "query_p50_ms": percentile(query_ms, 50),
+        "plan": plan,
+        "uses_claim_index": any("job_claim_order" in line for line in plan),
+        "statement": statement,
+    }
+
+
+KINDS = {"throughput": run_throughput, "claimer": run_claimer, "depth": run_depth}
+
+if __name__ == "__main__":
+    kind, spec = sys.argv[1], json.loads(sys.argv[2])
+    emit(KINDS[kind](spec))
