@@ -1,0 +1,142 @@
+"""Admin for queue rows: read-only views, actions that call one service each.
+
+Queue rows change only through jobqueue.services, so nobody may add, edit or
+delete them here. The actions (cancel, release affinity) need the model's
+`change` permission: Django's permission says who may operate the queue,
+while `has_change_permission` stays False so no form ever edits a row.
+"""
+
+from django.contrib import admin, messages
+
+from . import services
+from .exceptions import QueueError
+from .models import Affinity, Attempt, Job, JobEvent, JobState, RequirementSet
+
+
+class ReadOnlyMixin:
+    """View only: no add, change or delete, in model admins and inlines alike."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class OperateMixin:
+    """`allowed_permissions = ("operate",)` on an action: the user holds the
+    model's change permission (the only thing it is used for)."""
+
+    def has_operate_permission(self, request):
+        opts = self.opts
+        return request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
+
+
+class AttemptInline(ReadOnlyMixin, admin.TabularInline):
+    model = Attempt
+    fk_name = "job"
+    # token_hash is deliberately absent: not even its digest belongs on a screen.
+    fields = (
+        "number",
+        "state",
+        "worker",
+        "claimed_at",
+        "lease_expires_at",
+        "last_heartbeat_at",
+        "finished_at",
+        "job_state",
+        "error",
+    )
+    readonly_fields = fields
+    extra = 0
+    ordering = ("number",)
+    show_change_link = False
+
+
+class JobEventInline(ReadOnlyMixin, admin.TabularInline):
+    model = JobEvent
+    fields = ("at", "kind", "worker_id", "attempt", "detail")
+    readonly_fields = fields
+    extra = 0
+
+
+def cancel_results(request, modeladmin, jobs, call) -> None:
+    """Run `call(job)` (one service call) per job and tell the user what happened."""
+    done: dict[str, list[str]] = {"cancelled": [], "cancel requested": [], "already finished": []}
+    for job in jobs:
+        before = job.state
+        try:
+            after = call(job)
+        except QueueError as exc:
+            modeladmin.message_user(request, f"job {job.pk}: {exc.message}", messages.ERROR)
+            continue
+        if before in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+            done["already finished"].append(str(job.pk))
+        elif after.state == JobState.CANCELLED:
+            done["cancelled"].append(str(job.pk))
+        else:
+            done["cancel requested"].append(str(job.pk))
+    for what, ids in done.items():
+        if ids:
+            modeladmin.message_user(request, f"{what}: job {', '.join(ids)}", messages.SUCCESS)
+
+
+def release_results(request, modeladmin, task_ids) -> None:
+    released, unpinned = [], []
+    for task_id in sorted(set(task_ids)):
+        (released if services.affinity_release(task_id=task_id) else unpinned).append(str(task_id))
+    if released:
+        modeladmin.message_user(request, f"affinity released: task {', '.join(released)}", messages.SUCCESS)
+    if unpinned:
+        modeladmin.message_user(request, f"not pinned: task {', '.join(unpinned)}", messages.INFO)
+
+
+@admin.register(Job)
+class JobAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
+    list_display = ("id", "key", "state", "workflow", "agent", "runner", "pool", "attempt_count", "created_at")
+    list_filter = ("state", "pool", "agent", "runner")
+    search_fields = ("key",)
+    ordering = ("-id",)
+    inlines = (AttemptInline, JobEventInline)
+    actions = ("cancel_jobs", "release_affinity")
+    list_per_page = 100
+    show_full_result_count = False  # a COUNT(*) over a deep queue on every page load buys nothing
+
+    @admin.action(description="Cancel selected jobs", permissions=("operate",))
+    def cancel_jobs(self, request, queryset):
+        cancel_results(request, self, queryset, lambda job: services.job_cancel(job_id=job.pk))
+
+    @admin.action(description="Release affinity of the selected jobs' tasks", permissions=("operate",))
+    def release_affinity(self, request, queryset):
+        release_results(request, self, queryset.values_list("task_id", flat=True))
+
+
+@admin.register(Affinity)
+class AffinityAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
+    list_display = ("task", "worker_id", "pinned_at")
+    list_filter = ("worker_id",)
+    search_fields = ("worker_id", "task__item_key")
+    list_select_related = ("task",)
+    actions = ("release",)
+
+    @admin.action(description="Release selected pins", permissions=("operate",))
+    def release(self, request, queryset):
+        release_results(request, self, queryset.values_list("task_id", flat=True))
+
+
+@admin.register(JobEvent)
+class JobEventAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    list_display = ("id", "job", "kind", "at", "worker_id", "attempt")
+    list_filter = ("kind",)
+    search_fields = ("job__key", "worker_id")
+    list_select_related = ("job", "attempt")
+    show_full_result_count = False
+
+
+@admin.register(RequirementSet)
+class RequirementSetAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    list_display = ("id", "pool", "labels", "capabilities")
+    exclude = ("digest",)

@@ -1,0 +1,35 @@
+"""`apiary cancel INSTANCE`: cancel a workflow instance's job through the queue service."""
+
+from django.core.management.base import BaseCommand, CommandError
+
+from jobqueue import services
+from jobqueue.exceptions import NotFound
+from jobqueue.models import TERMINAL_JOB_STATES, JobState
+from jobqueue.selectors import instance_job
+
+
+class Command(BaseCommand):
+    help = "Cancel a workflow instance: at once when queued, at the worker's next heartbeat when running."
+
+    def add_arguments(self, parser):
+        parser.add_argument("instance", type=int, help="workflow instance id")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (read by the apiary entry point)")
+
+    def handle(self, *args, **options):
+        instance_id = options["instance"]
+        before = instance_job(instance_id=instance_id)
+        if before is None:
+            raise CommandError(f"no workflow instance {instance_id}")
+        try:
+            job = services.instance_cancel(instance_id=instance_id)
+        except NotFound as exc:
+            raise CommandError(f"no workflow instance {instance_id}: {exc.message}") from exc
+        what = f"instance {instance_id} (job {job.pk})"
+        if before.state in TERMINAL_JOB_STATES:
+            self.stdout.write(f"{what} already {before.state}; nothing to cancel")
+        elif job.state == JobState.CANCELLED:
+            self.stdout.write(f"{what} cancelled")
+        elif before.cancel_requested_at is not None:
+            self.stdout.write(f"{what}: cancel was already requested; waiting for the worker")
+        else:
+            self.stdout.write(f"{what}: cancel requested; the worker stops it at its next heartbeat")

@@ -1,0 +1,128 @@
+"""`apiary status [--json]`: job counts, workers, running and blocked jobs.
+
+The local variant reads `jobqueue.selectors.status_document()`; the remote
+variant (`--control-plane URL --token T`) will fetch the same document from
+`GET status` and print it with the same `render_status`.
+"""
+
+import json
+import os
+from pathlib import Path
+
+from django.core.management.base import BaseCommand, CommandError
+
+from apiary_site import bootstrap
+from jobqueue.selectors import BLOCKED_LIMIT, status_document
+
+STATES = ("queued", "leased", "succeeded", "failed", "cancelled")
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
+    return [
+        "  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [headers, *rows]
+    ]
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"
+
+
+def _able(worker: dict) -> bool:
+    return worker["health"] == "healthy" and worker["ready"] and not worker["draining"]
+
+
+def render_status(doc: dict) -> str:
+    """The readable status table of a `GET status` document (local or remote)."""
+    jobs = doc["jobs"]
+    lines = ["Jobs: " + "  ".join(f"{state} {jobs.get(state, 0)}" for state in STATES), ""]
+
+    lines.append("Workers")
+    if doc["workers"]:
+        lines += _table(
+            ["ID", "POOL", "HEALTH", "CAPACITY", "ACTIVE", "DRAINING", "READY", "LAST HEARTBEAT"],
+            [
+                [
+                    w["worker_id"],
+                    w["pool"] or "-",
+                    w["health"],
+                    str(w["capacity"]),
+                    str(w["active_jobs"]),
+                    _yes(w["draining"]),
+                    _yes(w["ready"]),
+                    w["last_heartbeat_at"] or "-",
+                ]
+                for w in doc["workers"]
+            ],
+        )
+    else:
+        lines.append("  (no worker registered)")
+    lines.append("")
+
+    lines.append("Running")
+    if doc["active"]:
+        lines += _table(
+            ["JOB", "INSTANCE", "TASK", "WORKFLOW", "WORKER", "ATTEMPT", "LEASE EXPIRES", ""],
+            [
+                [
+                    str(a["job_id"]),
+                    str(a["instance_id"]),
+                    str(a["task_id"]),
+                    a["workflow"],
+                    a["worker_id"],
+                    str(a["attempt_number"]),
+                    a["lease_expires_at"],
+                    "cancel requested" if a["cancel_requested"] else "",
+                ]
+                for a in doc["active"]
+            ],
+        )
+    else:
+        lines.append("  (none)")
+    lines.append("")
+
+    lines.append("Blocked")
+    if doc["blocked"]:
+        lines += _table(["JOB", "REASON"], [[str(b["job_id"]), b["reason"]] for b in doc["blocked"]])
+        if len(doc["blocked"]) >= BLOCKED_LIMIT:
+            lines.append(f"  (only the first {BLOCKED_LIMIT} blocked jobs are listed)")
+    else:
+        lines.append("  (none)")
+
+    queued = jobs.get("queued", 0)
+    if queued and not any(_able(w) for w in doc["workers"]):
+        lines += ["", f"WARNING: {queued} queued job(s) and no healthy, ready, non-draining worker to take them"]
+    elif queued and len(doc["blocked"]) >= queued:
+        lines += ["", f"WARNING: none of the {queued} queued job(s) can be taken by any worker now"]
+    return "\n".join(lines) + "\n"
+
+
+def _apply_config(explicit: str | None) -> None:
+    """Health and limit reasons depend on the config's worker_timeout and
+    limits, so put apiary.yaml in force when there is one. With none anywhere
+    (no --config, no $APIARY_CONFIG, no ./apiary.yaml) the queue defaults
+    apply; a named file that is missing or invalid is an error (exit 2)."""
+    if explicit or os.environ.get("APIARY_CONFIG") or Path("apiary.yaml").is_file():
+        bootstrap.configure(explicit)
+
+
+class Command(BaseCommand):
+    help = "Show job counts, workers, running jobs and blocked jobs with the reason."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--json", action="store_true", help="print the GET status document of PROTOCOL.md")
+        parser.add_argument(
+            "--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)"
+        )
+        parser.add_argument("--control-plane", metavar="URL", help="read the status of a remote control plane")
+        parser.add_argument("--token", metavar="T", help="worker token for --control-plane")
+
+    def handle(self, *args, **options):
+        if options["control_plane"] or options["token"]:
+            raise CommandError("remote status not implemented yet")
+        _apply_config(options["config"])
+        doc = status_document()
+        if options["json"]:
+            self.stdout.write(json.dumps(doc, indent=2))
+        else:
+            self.stdout.write(render_status(doc), ending="")

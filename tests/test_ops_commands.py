@@ -1,0 +1,257 @@
+"""Operator commands: status, cancel, affinity release, drainworker (and their `apiary` routes)."""
+
+import io
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from apiary_site import cli
+from jobqueue import services
+from jobqueue.management.commands.status import render_status
+from jobqueue.models import Affinity, Job, JobState
+from jobqueue.selectors import status_document
+from tests.factories import claim, enqueue, make_task, register
+from workers.models import Worker
+
+pytestmark = pytest.mark.django_db
+
+CONFIG = """\
+project: t
+settings:
+  queue:
+    lease_duration: 8s
+    heartbeat_interval: 2s
+    worker_timeout: 5s
+"""
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_config(monkeypatch, tmp_path, queue_config, settings):
+    """No apiary.yaml unless a test names one; whatever a command puts in
+    force (queue settings, worker token) is undone after the test."""
+    monkeypatch.delenv("APIARY_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    settings.APIARY_WORKER_TOKEN = ""
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "conf" / "apiary.yaml"
+    path.parent.mkdir()
+    path.write_text(CONFIG)
+    return path
+
+
+def run(*args) -> str:
+    out = io.StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue()
+
+
+# --------------------------------------------------------------------------- status
+
+
+def test_status_json_is_exactly_the_document(clock):
+    worker = register("w1")
+    enqueue()
+    enqueue(pool="build")
+    claim(worker)
+    out = run("status", "--json")
+    assert json.loads(out) == status_document()
+    assert json.loads(out)["blocked"][0]["reason"] == "no worker in pool build"
+
+
+def test_status_text_table(clock, config_file):
+    worker = register("w1", capacity=2)
+    running = enqueue(workflow="triage")
+    claim(worker)
+    blocked = enqueue(pool="build")
+    enqueue()  # claimable (w1 has a free slot): not blocked
+    out = run("status", "--config", str(config_file))
+    assert "Jobs: queued 2  leased 1  succeeded 0  failed 0  cancelled 0" in out
+    worker_line = next(line for line in map(str.strip, out.splitlines()) if line.startswith("w1 "))
+    assert worker_line.split() == ["w1", "-", "healthy", "2", "1", "no", "yes", "2026-01-01T00:00:00Z"]
+    running_line = next(line for line in map(str.strip, out.splitlines()) if line.startswith(f"{running.pk} "))
+    assert running_line.split() == [
+        str(running.pk),
+        str(running.instance_id),
+        str(running.task_id),
+        "triage",
+        "w1",
+        "1",
+        "2026-01-01T00:00:30Z",  # claimed under the default 30 s lease, before the config was read
+    ]
+    blocked_section = out.split("Blocked\n", 1)[1].splitlines()
+    assert blocked_section[1].split(maxsplit=1) == [str(blocked.pk), "no worker in pool build"]
+    assert "WARNING" not in out
+
+
+def test_status_warns_when_no_healthy_worker_can_take_queued_jobs(clock, queue_config):
+    queue_config(worker_timeout=30)
+    register("w1")
+    enqueue()
+    assert "WARNING" not in run("status")
+    clock.advance(31)
+    out = run("status")
+    assert "stale" in out
+    assert "WARNING: 1 queued job(s) and no healthy, ready, non-draining worker to take them" in out
+
+
+def test_status_warns_when_every_queued_job_is_blocked(clock):
+    register("w1")
+    enqueue(pool="build")
+    assert "WARNING: none of the 1 queued job(s) can be taken by any worker now" in run("status")
+
+
+def test_render_status_of_an_empty_document():
+    text = render_status(
+        {
+            "jobs": {"queued": 0, "leased": 0, "succeeded": 0, "failed": 0, "cancelled": 0},
+            "workers": [],
+            "active": [],
+            "blocked": [],
+        }
+    )
+    assert "(no worker registered)" in text
+    assert "WARNING" not in text
+
+
+def test_status_puts_the_config_in_force(clock, config_file):
+    register("w1")
+    clock.advance(6)  # past the file's worker_timeout (5 s), well within the default 30 s
+    assert json.loads(run("status", "--json"))["workers"][0]["health"] == "healthy"
+    assert json.loads(run("status", "--json", "--config", str(config_file)))["workers"][0]["health"] == "stale"
+
+
+def test_status_finds_apiary_yaml_in_the_current_directory(clock, config_file, monkeypatch):
+    monkeypatch.chdir(config_file.parent)
+    register("w1")
+    clock.advance(6)
+    assert json.loads(run("status", "--json"))["workers"][0]["health"] == "stale"
+
+
+def test_status_with_a_missing_config_fails_with_exit_2(clock, tmp_path):
+    with pytest.raises(CommandError, match="config file not found") as info:
+        run("status", "--config", str(tmp_path / "nope.yaml"))
+    assert info.value.returncode == 2
+
+
+def test_status_remote_is_not_there_yet(clock):
+    with pytest.raises(CommandError, match="remote status not implemented yet"):
+        run("status", "--control-plane", "http://cp:8080", "--token", "t")
+
+
+# --------------------------------------------------------------------------- cancel
+
+
+def test_cancel_queued_instance_at_once(clock):
+    job = enqueue()
+    out = run("cancel", str(job.instance_id))
+    assert out.strip() == f"instance {job.instance_id} (job {job.pk}) cancelled"
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED
+    out = run("cancel", str(job.instance_id))
+    assert "already cancelled; nothing to cancel" in out
+
+
+def test_cancel_running_instance_requests_it(clock):
+    worker = register("w1")
+    job = enqueue()
+    [c] = claim(worker)
+    out = run("cancel", str(job.instance_id))
+    assert "cancel requested; the worker stops it at its next heartbeat" in out
+    job.refresh_from_db()
+    assert job.state == JobState.LEASED and job.cancel_requested_at == clock.now()
+    assert services.attempt_heartbeat(attempt_id=c.attempt_id, token=c.token).cancel
+    assert "cancel was already requested" in run("cancel", str(job.instance_id))
+
+
+def test_cancel_finished_instance_changes_nothing(clock):
+    worker = register("w1")
+    job = enqueue()
+    [c] = claim(worker)
+    services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
+    assert "already succeeded; nothing to cancel" in run("cancel", str(job.instance_id))
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+
+
+def test_cancel_unknown_instance_names_it(clock):
+    with pytest.raises(CommandError, match="no workflow instance 4242"):
+        run("cancel", "4242")
+
+
+# --------------------------------------------------------------------------- affinity
+
+
+def test_affinity_release(clock):
+    worker = register("w1")
+    task = make_task()
+    enqueue(task, affinity=True)
+    claim(worker)
+    assert Affinity.objects.filter(task=task).exists()
+    assert run("affinity", "release", str(task.pk)).strip() == f"task {task.pk}: released its pin to worker w1"
+    assert not Affinity.objects.filter(task=task).exists()
+    assert run("affinity", "release", str(task.pk)).strip() == f"task {task.pk} was not pinned"
+
+
+def test_affinity_release_unknown_task(clock):
+    with pytest.raises(CommandError, match="no task 777"):
+        run("affinity", "release", "777")
+
+
+# --------------------------------------------------------------------------- drainworker
+
+
+def test_drainworker_and_undo(clock):
+    worker = register("w1")
+    enqueue()
+    assert "drain requested" in run("drainworker", "w1")
+    assert Worker.objects.get(pk="w1").drain_requested
+    assert claim(worker) == []  # the claim obeys it at once
+    assert services.worker_heartbeat(worker_id="w1", session=worker.session).drain_requested
+    assert "drain request withdrawn" in run("drainworker", "w1", "--undo")
+    assert not Worker.objects.get(pk="w1").drain_requested
+    assert len(claim(worker)) == 1
+
+
+def test_drainworker_unknown(clock):
+    with pytest.raises(CommandError, match="no worker 'ghost'"):
+        run("drainworker", "ghost")
+
+
+# --------------------------------------------------------------------------- through the `apiary` entry point
+
+
+def apiary(*words: str) -> str:
+    """Run `apiary WORDS…` as the console script routes it, in this process.
+    (Not through cli.main: Django's run_from_argv closes every connection
+    afterwards, which would close the test's own database connection.)"""
+    argv = cli.route(["apiary", *words])
+    return run(*argv[1:])
+
+
+def test_apiary_routes(clock, config_file):
+    assert cli.route(["apiary", "worker", "drain", "w1"]) == ["apiary", "drainworker", "w1"]
+    assert cli.route(["apiary", "affinity", "release", "5"]) == ["apiary", "affinity", "release", "5"]
+    register("w1")
+    apiary("worker", "drain", "w1", "--config", str(config_file))
+    assert Worker.objects.get(pk="w1").drain_requested
+    apiary("worker", "undrain", "w1")
+    assert not Worker.objects.get(pk="w1").drain_requested
+    assert json.loads(apiary("status", "--json", "--config", str(config_file)))["workers"][0]["worker_id"] == "w1"
+    job = enqueue()
+    apiary("cancel", str(job.instance_id), "--config", str(config_file))
+    assert Job.objects.get(pk=job.pk).state == JobState.CANCELLED
+
+
+@pytest.mark.parametrize(
+    "words", [("cancel", "999"), ("affinity", "release", "999"), ("worker", "drain", "ghost")], ids=" ".join
+)
+def test_unknown_ids_exit_non_zero(clock, words):
+    """run_from_argv turns a CommandError into `sys.exit(returncode)`: non-zero, the message on stderr."""
+    with pytest.raises(CommandError) as info:
+        apiary(*words)
+    assert info.value.returncode == 1
+    assert words[-1] in str(info.value)

@@ -1,0 +1,61 @@
+"""Read-only questions about workers: health, live attempts, whether one can take work now.
+
+Health is computed, never stored: a worker is stale once `worker_timeout`
+(jobqueue.conf) has passed since its last heartbeat. Nothing here writes.
+"""
+
+import datetime as dt
+from collections.abc import Iterable
+
+from django.db.models import Count, Q, QuerySet
+
+from jobqueue import conf
+from jobqueue.models import Attempt, AttemptState
+
+from .models import Worker
+
+HEALTHY = "healthy"
+STALE = "stale"
+
+
+def worker_health(worker: Worker, *, now: dt.datetime, timeout: float | None = None) -> str:
+    """Return "healthy" or "stale" (stale when more than `timeout` seconds, default
+    the configured worker_timeout, have passed since the last heartbeat)."""
+    if timeout is None:
+        timeout = conf.current().worker_timeout
+    silent = (now - worker.last_heartbeat_at).total_seconds()
+    return STALE if silent > timeout else HEALTHY
+
+
+def worker_is_draining(worker: Worker) -> bool:
+    """Draining as the claim sees it: the worker said so, or an operator asked
+    (the claim refuses both before the worker has even heard of the request)."""
+    return bool(worker.draining or worker.drain_requested)
+
+
+def worker_can_claim(worker: Worker, *, now: dt.datetime, timeout: float | None = None) -> bool:
+    """Healthy, ready and not draining: the only workers that count as able to
+    take a job now (capacity is a separate question)."""
+    return (
+        worker.ready and not worker_is_draining(worker) and worker_health(worker, now=now, timeout=timeout) == HEALTHY
+    )
+
+
+def active_jobs(*, now: dt.datetime, worker_ids: Iterable[str] | None = None) -> dict[str, int]:
+    """Live attempts (active, lease not yet passed) per worker id, counted as
+    the claim counts capacity; workers without any are absent (read as 0)."""
+    qs = Attempt.objects.filter(state=AttemptState.ACTIVE, lease_expires_at__gt=now)
+    if worker_ids is not None:
+        qs = qs.filter(worker_id__in=list(worker_ids))
+    rows = qs.values("worker_id").annotate(n=Count("id")).order_by()
+    return {row["worker_id"]: row["n"] for row in rows}
+
+
+def workers_all() -> list[Worker]:
+    return list(Worker.objects.order_by("worker_id"))
+
+
+def workers_with_active_jobs(*, now: dt.datetime) -> QuerySet[Worker]:
+    """Workers annotated with `live_attempts` (active, lease not yet passed), in one query."""
+    live = Q(attempts__state=AttemptState.ACTIVE, attempts__lease_expires_at__gt=now)
+    return Worker.objects.annotate(live_attempts=Count("attempts", filter=live))
