@@ -6,7 +6,7 @@ lease durations, limits and the worker token are the same everywhere.
 """
 
 from django.conf import settings
-from django.core.management import CommandError
+from django.core.management import CommandError, call_command
 
 from jobqueue import conf
 from workflows.config import Config, ConfigError, find_config_path, load
@@ -20,6 +20,13 @@ def configure(explicit_path: str | None = None) -> Config:
         raise CommandError(str(exc), returncode=2) from exc
     apply(config)
     return config
+
+
+def prepare_database(config: Config) -> None:
+    """Create the state directory and bring the schema up to date (a no-op
+    when it is): `apiary run` and `apiary task add` may come first on a new project."""
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    call_command("migrate", interactive=False, verbosity=0)
 
 
 def apply(config: Config) -> None:

@@ -43,7 +43,8 @@ class ControlPlane:
         tasks are untouched."""
         source = self.config.sources[source_id]
         try:
-            items = sources.poll(source)
+            # A command source runs in the config's folder, wherever the daemon was started.
+            items = sources.poll(source, cwd=self.config.path.parent)
         except sources.SourceError as exc:
             log.warning("source %s: poll failed, will retry in %ss: %s", source_id, source.poll_interval, exc)
             return 0

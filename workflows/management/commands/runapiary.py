@@ -6,7 +6,6 @@ import signal
 import subprocess
 import threading
 
-from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from apiary_site import bootstrap
@@ -34,8 +33,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         config = bootstrap.configure(options["config"])
-        config.state_dir.mkdir(parents=True, exist_ok=True)
-        call_command("migrate", interactive=False, verbosity=0)
+        bootstrap.prepare_database(config)
         fixed = queue.reconcile()
         log.info(
             "control plane up: project %s, config %s; reconciled %d expired lease(s), %d instance(s), %d task(s)",

@@ -47,6 +47,7 @@ class Command(BaseCommand):
         unknown = [w for w in workflows if w not in config.workflows]
         if unknown:
             raise CommandError(f"unknown workflow(s) {', '.join(unknown)}; known: {', '.join(config.workflows)}")
+        bootstrap.prepare_database(config)  # a task may be added before `apiary run` ever ran here
         task = services.task_add(source=source, title=options["title"], body=options["body"], payload=payload)
         jobs = services.dispatch(config=config, task=task, workflows=workflows)
         self.stdout.write(f"task {task.pk} ({task.source}:{task.item_key}) dispatched: " + ", ".join(
