@@ -140,8 +140,19 @@ REST_FRAMEWORK = {
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "Apiary worker protocol",
+    "DESCRIPTION": "Version 1 of the protocol between the Apiary control plane and its remote workers.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # PROTOCOL.md: every request carries the worker token, the schema's too.
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    "SERVE_AUTHENTICATION": ["jobqueue.api.auth.WorkerTokenAuthentication"],
+    # Separate request components, so required strings say minLength 1 and
+    # request bodies can say additionalProperties: false.
+    "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "jobqueue.api.schema.close_request_objects",
+    ],
 }
 
 LOGGING = {

@@ -1,0 +1,273 @@
+"""Request and response shapes of worker protocol 1 (PROTOCOL.md "Endpoints").
+
+Request serializers are strict: JSON types are not coerced (`"5"` is not an
+integer, `1` is not a boolean), unknown fields are refused by name, and every
+string and number is bounded so nothing reaches the database that a column
+would refuse (PostgreSQL enforces varchar lengths and integer ranges).
+Response serializers shape the answers and describe them in the OpenAPI
+document.
+"""
+
+from collections.abc import Mapping
+
+from django.core.validators import RegexValidator
+from rest_framework import serializers
+
+from jobqueue.models import JobState
+
+from .errors import CODES
+
+WORKER_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+MAX_INT = 2**31 - 1  # PostgreSQL `integer`
+MAX_WAIT = 30.0
+OUTCOMES = ("succeeded", "failed", "cancelled")
+
+
+# --------------------------------------------------------------------------- strict fields
+
+
+class StrictCharField(serializers.CharField):
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictIntegerField(serializers.IntegerField):
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictFloatField(serializers.FloatField):
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            self.fail("invalid")
+        try:
+            return super().to_internal_value(data)
+        except OverflowError:  # an integer too large for a float; DRF lets it escape
+            self.fail("invalid")
+
+
+class StrictBooleanField(serializers.BooleanField):
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid")
+        return data
+
+
+class StrictSerializer(serializers.Serializer):
+    """Refuses fields it does not know, naming each of them."""
+
+    def to_internal_value(self, data):
+        unknown = {}
+        if isinstance(data, Mapping):
+            unknown = {str(name): ["unknown field"] for name in data if name not in self.fields}
+        try:
+            value = super().to_internal_value(data)
+        except serializers.ValidationError as exc:  # report every problem at once
+            if unknown and isinstance(exc.detail, dict):
+                raise serializers.ValidationError({**exc.detail, **unknown}) from None
+            raise
+        if unknown:
+            raise serializers.ValidationError(unknown)
+        return value
+
+
+def _worker_id() -> StrictCharField:
+    return StrictCharField(
+        max_length=128,
+        trim_whitespace=False,
+        validators=[RegexValidator(rf"^{WORKER_ID_PATTERN}\Z", message=f"must match {WORKER_ID_PATTERN}")],
+    )
+
+
+def _session() -> StrictCharField:
+    # Sessions are opaque ASCII; the service compares them with hmac.compare_digest,
+    # which refuses non-ASCII str, so anything else is a bad request here.
+    return StrictCharField(
+        max_length=128,
+        trim_whitespace=False,
+        validators=[RegexValidator(r"^[!-~]+\Z", message="must be printable ASCII without spaces")],
+    )
+
+
+def _names(**kwargs) -> serializers.ListField:
+    """Labels and capabilities."""
+    return serializers.ListField(child=StrictCharField(max_length=128), max_length=256, **kwargs)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class RegisterSerializer(StrictSerializer):
+    """POST workers/register."""
+
+    worker_id = _worker_id()
+    pool = StrictCharField(max_length=128, allow_null=True, required=False, default=None)
+    labels = _names(required=False, default=list)
+    capabilities = _names(required=False, default=list)
+    capacity = StrictIntegerField(min_value=1, max_value=MAX_INT)
+    version = StrictCharField(max_length=64, allow_blank=True, required=False, default="")
+    hostname = StrictCharField(max_length=255, allow_blank=True, required=False, default="")
+    pid = StrictIntegerField(min_value=0, max_value=MAX_INT, allow_null=True, required=False, default=None)
+
+
+class WorkerHeartbeatSerializer(StrictSerializer):
+    """POST workers/{worker_id}/heartbeat."""
+
+    session = _session()
+    draining = StrictBooleanField(required=False, default=False)
+    ready = StrictBooleanField(required=False, default=True)
+
+
+class ClaimSerializer(StrictSerializer):
+    """POST claims. `wait` > 0 long-polls up to that many seconds."""
+
+    worker_id = _worker_id()
+    session = _session()
+    max_jobs = StrictIntegerField(min_value=1, max_value=MAX_INT, required=False, default=1)
+    wait = StrictFloatField(min_value=0, max_value=MAX_WAIT, required=False, default=0)
+
+
+class AttemptHeartbeatSerializer(StrictSerializer):
+    """POST attempts/{attempt_id}/heartbeat."""
+
+    # Any string: a token that is not this attempt's is answered 409 stale_attempt.
+    token = StrictCharField(max_length=256, trim_whitespace=False)
+
+
+class FinishSerializer(StrictSerializer):
+    """POST attempts/{attempt_id}/finish."""
+
+    token = StrictCharField(max_length=256, trim_whitespace=False)
+    outcome = serializers.ChoiceField(
+        choices=OUTCOMES, error_messages={"invalid_choice": f"must be one of {', '.join(OUTCOMES)}"}
+    )
+    summary = serializers.DictField(required=False, default=dict)
+    error = StrictCharField(allow_null=True, allow_blank=True, trim_whitespace=False, required=False, default=None)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class WorkerView(serializers.Serializer):
+    worker_id = serializers.CharField()
+    pool = serializers.CharField(allow_null=True)
+    labels = serializers.ListField(child=serializers.CharField())
+    capabilities = serializers.ListField(child=serializers.CharField())
+    capacity = serializers.IntegerField()
+    draining = serializers.BooleanField()
+    ready = serializers.BooleanField()
+    drain_requested = serializers.BooleanField()
+    version = serializers.CharField(allow_blank=True)
+    hostname = serializers.CharField(allow_blank=True)
+    pid = serializers.IntegerField(allow_null=True)
+    registered_at = serializers.DateTimeField()
+    last_heartbeat_at = serializers.DateTimeField()
+
+
+class RegisterResponse(serializers.Serializer):
+    session = serializers.CharField()
+    protocol = serializers.ChoiceField(choices=[1])
+    lease_duration = serializers.FloatField()
+    heartbeat_interval = serializers.FloatField()
+    worker_timeout = serializers.FloatField()
+    worker = WorkerView()
+
+
+class WorkerHeartbeatResponse(serializers.Serializer):
+    drain = serializers.BooleanField()
+
+
+class TaskView(serializers.Serializer):
+    id = serializers.IntegerField()
+    source = serializers.CharField()
+    item_key = serializers.CharField()
+    generation = serializers.IntegerField()
+    title = serializers.CharField(allow_blank=True)
+    body = serializers.CharField(allow_blank=True)
+    payload = serializers.JSONField()
+
+
+class JobView(serializers.Serializer):
+    job_id = serializers.IntegerField()
+    attempt_id = serializers.IntegerField()
+    attempt_number = serializers.IntegerField()
+    token = serializers.CharField()
+    lease_expires_at = serializers.DateTimeField()
+    workflow = serializers.CharField()
+    instance_id = serializers.IntegerField()
+    agent = serializers.CharField()
+    runner = serializers.CharField()
+    task = TaskView()
+
+
+class ClaimResponse(serializers.Serializer):
+    jobs = JobView(many=True)
+
+
+class AttemptHeartbeatResponse(serializers.Serializer):
+    lease_expires_at = serializers.DateTimeField()
+    cancel = serializers.BooleanField()
+
+
+class FinishResponse(serializers.Serializer):
+    job_state = serializers.ChoiceField(
+        choices=[JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED]
+    )
+
+
+class JobCounts(serializers.Serializer):
+    queued = serializers.IntegerField()
+    leased = serializers.IntegerField()
+    succeeded = serializers.IntegerField()
+    failed = serializers.IntegerField()
+    cancelled = serializers.IntegerField()
+
+
+class StatusWorker(serializers.Serializer):
+    worker_id = serializers.CharField()
+    pool = serializers.CharField(allow_null=True)
+    labels = serializers.ListField(child=serializers.CharField())
+    capabilities = serializers.ListField(child=serializers.CharField())
+    capacity = serializers.IntegerField()
+    active_jobs = serializers.IntegerField()
+    health = serializers.ChoiceField(choices=["healthy", "stale"])
+    draining = serializers.BooleanField()
+    ready = serializers.BooleanField()
+    last_heartbeat_at = serializers.DateTimeField()
+
+
+class StatusActive(serializers.Serializer):
+    job_id = serializers.IntegerField()
+    instance_id = serializers.IntegerField()
+    task_id = serializers.IntegerField()
+    workflow = serializers.CharField()
+    worker_id = serializers.CharField()
+    attempt_number = serializers.IntegerField()
+    lease_expires_at = serializers.DateTimeField()
+    cancel_requested = serializers.BooleanField()
+
+
+class StatusBlocked(serializers.Serializer):
+    job_id = serializers.IntegerField()
+    reason = serializers.CharField()
+
+
+class StatusResponse(serializers.Serializer):
+    jobs = JobCounts()
+    workers = StatusWorker(many=True)
+    active = StatusActive(many=True)
+    blocked = StatusBlocked(many=True)
+
+
+class ErrorDetail(serializers.Serializer):
+    code = serializers.ChoiceField(choices=CODES)
+    message = serializers.CharField()
+    details = serializers.DictField()
+
+
+class ErrorResponse(serializers.Serializer):
+    error = ErrorDetail()

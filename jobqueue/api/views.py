@@ -1,0 +1,239 @@
+"""Worker protocol 1 endpoints: validate, call one service or selector, shape the answer.
+
+Every view reads its body through `buffer_body` (hard cap, after
+authentication, so an unauthenticated client cannot make us buffer
+anything), answers JSON only, and stamps `Apiary-Protocol: 1` on whatever it
+returns, errors included. State changes happen only inside the services, one
+short transaction each; an error anywhere before or inside them changes nothing.
+"""
+
+import random
+import time
+
+from django.conf import settings
+from django.http import QueryDict
+from drf_spectacular.renderers import OpenApiJsonRenderer2
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.views import SpectacularAPIView
+from rest_framework.exceptions import NotFound
+from rest_framework.negotiation import DefaultContentNegotiation
+from rest_framework.permissions import SAFE_METHODS, IsAuthenticated
+from rest_framework.renderers import JSONRenderer
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from jobqueue import conf, services
+
+from . import serializers as s
+from .auth import WorkerTokenAuthentication
+from .errors import UnsupportedProtocol
+from .parsers import ProtocolJSONParser, buffer_body
+from .schema import AUTHENTICATE_HEADER, PROTOCOL_HEADER, responses
+
+PROTOCOL_VERSION = 1
+DEFAULT_POLL_INTERVAL = 0.3  # seconds between claim attempts of a long-poll, before jitter
+
+# Indirections the long-poll tests replace; production uses the real ones.
+_sleep = time.sleep
+_monotonic = time.monotonic
+_jitter = random.Random()
+
+
+class JSONOnly(DefaultContentNegotiation):
+    """The protocol speaks JSON whatever the client's Accept says: no 406."""
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
+class ProtocolMixin:
+    parser_classes = [ProtocolJSONParser]
+    renderer_classes = [JSONRenderer]
+    content_negotiation_class = JSONOnly
+    authentication_classes = [WorkerTokenAuthentication]
+    permission_classes = [IsAuthenticated]
+    metadata_class = None  # no OPTIONS introspection: 405
+
+    def initialize_request(self, request, *args, **kwargs):
+        # The protocol has no query parameters. Drop whatever came, so a token a
+        # client wrongly put in the URL is not kept on the request (Django's
+        # request logging and error reports show the full path).
+        request.META["QUERY_STRING"] = ""
+        request.GET = QueryDict()
+        return super().initialize_request(request, *args, **kwargs)
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)  # content negotiation, authentication, permissions
+        if request.method not in SAFE_METHODS:
+            buffer_body(request._request)
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        response = super().finalize_response(request, response, *args, **kwargs)
+        response["Apiary-Protocol"] = str(PROTOCOL_VERSION)
+        return response
+
+
+class ProtocolView(ProtocolMixin, APIView):
+    def validated(self, serializer_class, request) -> dict:
+        serializer = serializer_class(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        return serializer.validated_data
+
+
+def _schema(operation_id: str, request, ok, description: str, **errors):
+    return extend_schema(
+        operation_id=operation_id,
+        request=request,
+        responses=responses(ok, description, body=request is not None, **errors),
+        parameters=[PROTOCOL_HEADER, AUTHENTICATE_HEADER],
+    )
+
+
+UNKNOWN_WORKER = "`not_found`: the worker id is not registered"
+UNKNOWN_ATTEMPT = "`not_found`: no such attempt"
+SUPERSEDED = "`session_superseded`: the worker id was registered again by a newer process"
+STALE = (
+    "`stale_attempt`: the token does not match, the attempt is not the job's current one, "
+    "its lease expired, or it finished with another outcome"
+)
+WORKER_ID = OpenApiParameter("worker_id", str, OpenApiParameter.PATH, pattern=rf"^{s.WORKER_ID_PATTERN}$")
+ATTEMPT_ID = OpenApiParameter("attempt_id", str, OpenApiParameter.PATH, pattern=r"^[0-9]{1,18}$")
+
+
+class RegisterView(ProtocolView):
+    @_schema("workers_register", s.RegisterSerializer, s.RegisterResponse, "a new session for the worker id")
+    def post(self, request):
+        worker = services.worker_register(**self.validated(s.RegisterSerializer, request))
+        cfg = conf.current()
+        answer = {
+            "session": worker.session,
+            "protocol": PROTOCOL_VERSION,
+            "lease_duration": cfg.lease_duration,
+            "heartbeat_interval": cfg.heartbeat_interval,
+            "worker_timeout": cfg.worker_timeout,
+            "worker": worker,
+        }
+        return Response(s.RegisterResponse(answer).data)
+
+
+class WorkerHeartbeatView(ProtocolView):
+    @extend_schema(parameters=[WORKER_ID])
+    @_schema(
+        "workers_heartbeat",
+        s.WorkerHeartbeatSerializer,
+        s.WorkerHeartbeatResponse,
+        "`drain: true` when an operator asked this worker to drain",
+        not_found=UNKNOWN_WORKER,
+        conflict=SUPERSEDED,
+    )
+    def post(self, request, worker_id: str):
+        data = self.validated(s.WorkerHeartbeatSerializer, request)
+        worker = services.worker_heartbeat(worker_id=worker_id, **data)
+        return Response(s.WorkerHeartbeatResponse({"drain": worker.drain_requested}).data)
+
+
+def poll_interval() -> float:
+    """Seconds between claim attempts while long-polling (settings.APIARY_CLAIM_POLL_INTERVAL)."""
+    return float(getattr(settings, "APIARY_CLAIM_POLL_INTERVAL", DEFAULT_POLL_INTERVAL))
+
+
+def claim_with_wait(*, worker_id: str, session: str, max_jobs: int, wait: float) -> list[services.Claim]:
+    """Claim; with `wait` > 0 and nothing claimable, claim again after short
+    jittered sleeps until something is claimed or `wait` seconds pass. Each
+    claim is its own short transaction: nothing is held while sleeping, so
+    other claimers, finishes and enqueues proceed meanwhile."""
+    deadline = _monotonic() + wait
+    while True:
+        claims = services.jobs_claim(worker_id=worker_id, session=session, max_jobs=max_jobs)
+        remaining = deadline - _monotonic()
+        if claims or remaining <= 0:
+            return claims
+        _sleep(min(remaining, poll_interval() * _jitter.uniform(0.7, 1.5)))
+
+
+class ClaimView(ProtocolView):
+    @_schema(
+        "claims_create",
+        s.ClaimSerializer,
+        s.ClaimResponse,
+        "leased jobs, possibly none; never beyond the worker's free capacity",
+        not_found=UNKNOWN_WORKER,
+        conflict=SUPERSEDED,
+    )
+    def post(self, request):
+        claims = claim_with_wait(**self.validated(s.ClaimSerializer, request))
+        return Response(s.ClaimResponse({"jobs": claims}).data)
+
+
+class AttemptHeartbeatView(ProtocolView):
+    @extend_schema(parameters=[ATTEMPT_ID])
+    @_schema(
+        "attempts_heartbeat",
+        s.AttemptHeartbeatSerializer,
+        s.AttemptHeartbeatResponse,
+        "the lease is extended; `cancel: true` means stop the runner and finish `cancelled`",
+        not_found=UNKNOWN_ATTEMPT,
+        conflict=STALE,
+    )
+    def post(self, request, attempt_id: str):
+        data = self.validated(s.AttemptHeartbeatSerializer, request)
+        beat = services.attempt_heartbeat(attempt_id=int(attempt_id), **data)
+        return Response(s.AttemptHeartbeatResponse(beat).data)
+
+
+class FinishView(ProtocolView):
+    @extend_schema(parameters=[ATTEMPT_ID])
+    @_schema(
+        "attempts_finish",
+        s.FinishSerializer,
+        s.FinishResponse,
+        "the job's resulting state; the same finish again gets the same answer",
+        not_found=UNKNOWN_ATTEMPT,
+        conflict=STALE,
+    )
+    def post(self, request, attempt_id: str):
+        data = self.validated(s.FinishSerializer, request)
+        job_state = services.attempt_finish(attempt_id=int(attempt_id), **data)
+        return Response(s.FinishResponse({"job_state": job_state}).data)
+
+
+class StatusView(ProtocolView):
+    @_schema("status_retrieve", None, s.StatusResponse, "job counts, workers, active and blocked jobs")
+    def get(self, request):
+        from jobqueue import selectors  # imported late: selectors imports half the project
+
+        return Response(selectors.status_document())
+
+
+class SchemaView(ProtocolMixin, SpectacularAPIView):
+    """The OpenAPI 3 document of this protocol (JSON)."""
+
+    renderer_classes = [OpenApiJsonRenderer2]
+
+
+class UnknownPathView(ProtocolView):
+    """Everything under /api/worker/ that no endpoint matches, answered in
+    JSON rather than Django's HTML 404. No token needed: the answer reveals
+    nothing, and a worker on a retired version must learn why it is refused."""
+
+    authentication_classes = []
+    permission_classes = []
+    schema = None  # not part of the OpenAPI document
+
+    def initial(self, request, *args, **kwargs):
+        APIView.initial(self, request, *args, **kwargs)  # negotiation only; the body is never read
+        raise self.error(request)
+
+    def error(self, request) -> Exception:
+        return NotFound()
+
+
+class UnsupportedProtocolView(UnknownPathView):
+    def error(self, request) -> Exception:
+        version = request.path.removeprefix("/api/worker").strip("/").split("/", 1)[0]
+        if version == f"v{PROTOCOL_VERSION}":  # /api/worker/v1 without the slash
+            return NotFound()
+        return UnsupportedProtocol(
+            f"unsupported protocol version: this control plane speaks worker protocol {PROTOCOL_VERSION}"
+            f" only, under /api/worker/v{PROTOCOL_VERSION}/"
+        )

@@ -1,0 +1,248 @@
+"""Fixtures for the worker protocol tests.
+
+Every test of this package runs with the canary worker token: each response
+is checked for it (and for `Apiary-Protocol: 1`, and for never being a 5xx)
+by the `api`/`raw` helpers, and every log record of every logger, at DEBUG,
+is checked for it when the test ends.
+"""
+
+import io
+import json
+import logging
+import sys
+from dataclasses import dataclass
+
+import pytest
+from django.test import Client
+from django.test.client import ClientHandler
+
+from jobqueue.models import Affinity, Attempt, Job, JobEvent, RequirementSet
+from workers.models import Worker
+from workflows.models import Task, WorkflowInstance
+
+CANARY = "canary-wt-5c1f0e7b9a2d4863b1e8"
+BASE = "/api/worker/v1/"
+
+QUEUE_MODELS = (Job, Attempt, JobEvent, Worker, Affinity, WorkflowInstance, Task, RequirementSet)
+
+
+@pytest.fixture(autouse=True)
+def worker_token(settings):
+    settings.APIARY_WORKER_TOKEN = CANARY
+    settings.APIARY_CLAIM_POLL_INTERVAL = 0.01
+    return CANARY
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def record_text(record: logging.LogRecord) -> str:
+    """Everything a formatter could print from the record, extras included."""
+    text = [record.getMessage(), repr(record.__dict__)]
+    if record.exc_info:
+        text.append(logging.Formatter().formatException(record.exc_info))
+    return "\n".join(text)
+
+
+@pytest.fixture(autouse=True)
+def logs():
+    """Every record of every logger at DEBUG, for this test; none may hold the token."""
+    handler = _Collect()
+    manager = logging.Logger.manager
+    loggers = [logging.getLogger()] + [lg for lg in manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    levels = {lg: lg.level for lg in loggers}
+    hooked = [lg for lg in loggers if lg is logging.getLogger() or not lg.propagate]
+    for lg in loggers:
+        lg.setLevel(logging.DEBUG)
+    for lg in hooked:
+        lg.addHandler(handler)
+    yield handler.records
+    for lg in hooked:
+        lg.removeHandler(handler)
+    for lg, level in levels.items():
+        lg.setLevel(level)
+    leaked = [record_text(r) for r in handler.records if CANARY in record_text(r)]
+    assert not leaked, f"the worker token appears in log records: {leaked[:3]}"
+
+
+def check_response(status: int, headers, content: bytes) -> None:
+    """What every answer under /api/worker/ must satisfy."""
+    assert status < 500 or status == 503, content[:500]  # 503 `unavailable` is documented
+    assert headers.get("Apiary-Protocol") == "1", (status, dict(headers))
+    assert CANARY.encode() not in content
+    assert not any(CANARY in str(v) for v in headers.values())
+    body = json.loads(content)
+    if status >= 400:
+        assert set(body) == {"error"}, body
+        assert set(body["error"]) == {"code", "message", "details"}, body
+        assert isinstance(body["error"]["message"], str) and isinstance(body["error"]["details"], dict)
+    if status == 401:
+        assert headers.get("WWW-Authenticate", "").startswith("Bearer"), dict(headers)
+
+
+class Api:
+    """The Django test client, authenticated with the canary token, checking every answer."""
+
+    def __init__(self):
+        self.client = Client()
+
+    def _headers(self, token, headers):
+        extra = {} if token is None else {"HTTP_AUTHORIZATION": f"Bearer {token}"}
+        extra.update(headers or {})
+        return extra
+
+    def post(
+        self,
+        path: str,
+        body=None,
+        *,
+        raw: bytes | None = None,
+        token: str | None = CANARY,
+        headers=None,
+        content_type="application/json",
+    ):
+        data = raw if raw is not None else json.dumps(body if body is not None else {})
+        response = self.client.post(BASE + path, data, content_type=content_type, **self._headers(token, headers))
+        check_response(response.status_code, response.headers, response.content)
+        return response
+
+    def get(self, path: str, *, token: str | None = CANARY, headers=None, absolute=False):
+        response = self.client.get(path if absolute else BASE + path, **self._headers(token, headers))
+        check_response(response.status_code, response.headers, response.content)
+        return response
+
+    def request(self, method: str, path: str, **kwargs):
+        """Any method, any absolute path."""
+        headers = self._headers(kwargs.pop("token", CANARY), kwargs.pop("headers", None))
+        response = self.client.generic(method, path, **kwargs, **headers)
+        check_response(response.status_code, response.headers, response.content)
+        return response
+
+
+@pytest.fixture
+def api():
+    return Api()
+
+
+@dataclass
+class RawResponse:
+    status_code: int
+    headers: dict
+    content: bytes
+
+    def json(self):
+        return json.loads(self.content)
+
+
+def wsgi_app():
+    """The project as a WSGI application, through Django's test handler (which,
+    unlike the production one, does not close the test's database connection)."""
+    handler = ClientHandler(enforce_csrf_checks=True)
+
+    def app(environ, start_response):
+        response = handler(environ)
+        start_response(f"{response.status_code} {response.reason_phrase}", list(response.items()))
+        return [response.content]
+
+    return app
+
+
+def raw_post(
+    path: str, body: bytes, *, content_length: str | None, terminated: bool, token: str = CANARY
+) -> RawResponse:
+    """A POST through a hand-made WSGI environ: Content-Length may be absent or
+    lie, and `wsgi.input_terminated` says whether the server delimits the body
+    (gunicorn does) as PEP 3333 servers need not."""
+    environ = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": BASE + path,
+        "SCRIPT_NAME": "",
+        "QUERY_STRING": "",
+        "SERVER_NAME": "testserver",
+        "SERVER_PORT": "80",
+        "SERVER_PROTOCOL": "HTTP/1.1",
+        "CONTENT_TYPE": "application/json",
+        "HTTP_AUTHORIZATION": f"Bearer {token}",
+        "wsgi.version": (1, 0),
+        "wsgi.url_scheme": "http",
+        "wsgi.input": io.BytesIO(body),
+        "wsgi.errors": sys.stderr,
+        "wsgi.multithread": False,
+        "wsgi.multiprocess": False,
+        "wsgi.run_once": False,
+    }
+    if terminated:
+        environ["wsgi.input_terminated"] = True
+    if content_length is not None:
+        environ["CONTENT_LENGTH"] = content_length
+    captured = {}
+
+    def start_response(status, headers):
+        captured["status"], captured["headers"] = int(status.split()[0]), dict(headers)
+
+    content = b"".join(wsgi_app()(environ, start_response))
+    response = RawResponse(captured["status"], captured["headers"], content)
+    check_response(response.status_code, response.headers, response.content)
+    return response
+
+
+def queue_dump() -> dict:
+    """Every row of the queue tables, for before/after comparisons."""
+    return {model.__name__: list(model.objects.order_by("pk").values()) for model in QUEUE_MODELS}
+
+
+@pytest.fixture
+def unchanged(db):
+    """`with unchanged(): …` asserts the block changed no queue row."""
+
+    class _Unchanged:
+        def __enter__(self):
+            self.before = queue_dump()
+
+        def __exit__(self, *exc):
+            if exc[0] is None:
+                assert queue_dump() == self.before, "the request changed queue state"
+
+    return _Unchanged
+
+
+@dataclass
+class World:
+    """A registered worker (capacity 3) holding two attempts, a third job queued."""
+
+    worker_id: str
+    session: str
+    attempts: list  # services.Claim, two of them
+    jobs: list
+
+    def endpoints(self) -> list[tuple[str, dict]]:
+        """Every POST endpoint with a body it would accept (and act on)."""
+        a = self.attempts[0]
+        return [
+            ("workers/register", {"worker_id": "w-new", "capacity": 1}),
+            (f"workers/{self.worker_id}/heartbeat", {"session": self.session, "draining": False, "ready": True}),
+            ("claims", {"worker_id": self.worker_id, "session": self.session, "max_jobs": 1, "wait": 0}),
+            (f"attempts/{a.attempt_id}/heartbeat", {"token": a.token}),
+            (
+                f"attempts/{a.attempt_id}/finish",
+                {"token": a.token, "outcome": "succeeded", "summary": {}, "error": None},
+            ),
+        ]
+
+
+@pytest.fixture
+def world(db, clock):
+    from tests.factories import claim, enqueue, register
+
+    jobs = [enqueue() for _ in range(3)]
+    worker = register("w1", capacity=3)
+    attempts = claim(worker, max_jobs=2)
+    assert len(attempts) == 2
+    clock.advance(1)  # so that a heartbeat that got through would change a row
+    return World(worker_id=worker.worker_id, session=worker.session, attempts=attempts, jobs=jobs)
