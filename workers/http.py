@@ -81,7 +81,9 @@ class HttpTransport:
                              "message": f"HTTP {response.status_code}"}
                 code, message = error.get("code", ""), error.get("message", "")
                 if response.status_code < 500 and code in ERRORS:
-                    raise ERRORS[code](message, **(error.get("details") or {}))
+                    exc = ERRORS[code](message)
+                    exc.details = error.get("details") or {}  # not as keywords: a detail may be called "message"
+                    raise exc
                 if response.status_code < 500:
                     raise InvalidRequest(f"{method} {path}: HTTP {response.status_code} {code}: {message}")
                 failure = TransportError(f"{method} {path}: HTTP {response.status_code} {code}: {message}")
