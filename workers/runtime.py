@@ -27,7 +27,7 @@ from jobqueue.exceptions import NotFound, SessionSuperseded, StaleAttempt, Unava
 from jobqueue.services import Claim
 
 from .executor import Executor, Outcome
-from .transport import Registration, Transport, TransportError, WorkerSpec
+from .transport import Registration, Transport, TransportError, Unauthorized, WorkerSpec
 
 log = logging.getLogger("apiary.worker")
 
@@ -185,7 +185,10 @@ class WorkerRuntime:
     def _heartbeat_loop(self) -> None:
         tick = min(0.2, self.registration.heartbeat_interval / 4)
         while not self.stopped.is_set():
-            self.heartbeat_once()
+            try:
+                self.heartbeat_once()
+            except Exception:  # keep beating: a dead heartbeat thread would let every lease run out
+                log.exception("worker %s: heartbeat round failed", self.spec.worker_id)
             self.stopped.wait(tick)
 
     def heartbeat_once(self) -> None:
@@ -256,6 +259,10 @@ class WorkerRuntime:
             return None
         except RETRYABLE as exc:
             log.warning("control plane unavailable: %s", exc)
+            return None
+        except Unauthorized as exc:
+            self.fatal = f"the control plane refused the worker token ({exc.message})"
+            self.stopped.set()
             return None
         self.last_contact = self.monotonic()
         return result
