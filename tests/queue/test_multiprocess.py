@@ -180,13 +180,16 @@ def test_processes_finish_every_job_once_within_limits(tmp_path, live_database_u
     else:
         database = {"APIARY_DB_PATH": str(tmp_path / "queue.db")}
         setup = _claimer("setup", "--jobs", str(JOBS), "--migrate")
+    started = time.monotonic()
     # Preparation need not survive a power cut; the claimers run with synchronous=FULL.
     prepared = subprocess.run(
         setup, cwd=ROOT, env=_env(tmp_path, database, synchronous="OFF"), capture_output=True, text=True, timeout=300
     )
     assert prepared.returncode == 0, prepared.stderr[-3000:]
 
+    prepared_at = time.monotonic()
     reports = _run_children(tmp_path, database)
+    ran_at = time.monotonic()
 
     # Nothing reached a caller: no "database is locked", no Unavailable, no stale token.
     errors = [e for r in reports for e in r["errors"]]
@@ -236,7 +239,8 @@ def test_processes_finish_every_job_once_within_limits(tmp_path, live_database_u
     contended = [("project", "alpha"), ("project", "beta"), ("agent", "deployer"), ("pool", "gpu")]
     assert {key: by_events[key] for key in contended} == {key: _limit_of(key) for key in contended}
     print(
-        f"\n{vendor}: {JOBS} jobs, {PROCESSES}×{WORKERS_PER_PROCESS} workers, "
+        f"\n{vendor}: {JOBS} jobs, {PROCESSES}×{WORKERS_PER_PROCESS} workers, setup {prepared_at - started:.1f} s, "
+        f"run {ran_at - prepared_at:.1f} s, "
         f"peaks by event order {dict(by_events.most_common(6))}, by timestamps {dict(by_time.most_common(6))}, "
         f"jobs per process {[len(r['claims']) for r in reports]}, empty claims {sum(r['empty_claims'] for r in reports)}"
     )
