@@ -19,6 +19,7 @@ import logging
 import random
 import re
 import secrets
+import threading
 from collections import Counter
 from collections.abc import Iterable
 
@@ -236,23 +237,30 @@ class _RequirementCache:
     """Requirement sets are immutable, so each process keeps the ones it has
     seen and fetches only newer ids. On PostgreSQL ids can commit out of order;
     a set this cache missed only makes its jobs invisible to this process until
-    `reset()` (called when a claim finds nothing) picks it up."""
+    `reset()` (called when a claim finds nothing) picks it up. Shared by the
+    threads of a process (gthread listener, the daemon's worker): the lock
+    guards the dict, never a query."""
 
     def __init__(self):
+        self.lock = threading.Lock()
         self.reset()
 
     def reset(self):
-        self.sets: dict[int, tuple[str | None, frozenset, frozenset]] = {}
-        self.last_id = 0
+        with self.lock:
+            self.sets: dict[int, tuple[str | None, frozenset, frozenset]] = {}
+            self.last_id = 0
 
     def eligible(self, cursor, pool: str | None, labels: set[str], capabilities: set[str]) -> list[int]:
         cursor.execute(sql.REQUIREMENT_SETS, [self.last_id])
-        for pk, need_pool, need_labels, need_caps in cursor.fetchall():
-            self.sets[pk] = (need_pool, frozenset(sql.from_js(need_labels)), frozenset(sql.from_js(need_caps)))
-            self.last_id = max(self.last_id, pk)
+        rows = cursor.fetchall()
+        with self.lock:
+            for pk, need_pool, need_labels, need_caps in rows:
+                self.sets[pk] = (need_pool, frozenset(sql.from_js(need_labels)), frozenset(sql.from_js(need_caps)))
+                self.last_id = max(self.last_id, pk)
+            known = list(self.sets.items())
         return [
             pk
-            for pk, (need_pool, need_labels, need_caps) in self.sets.items()
+            for pk, (need_pool, need_labels, need_caps) in known
             if (need_pool is None or need_pool == pool) and need_labels <= labels and need_caps <= capabilities
         ]
 
@@ -375,13 +383,19 @@ def _candidates(cursor, eligible, worker_id, n_ow, limits, dimensions, counts, p
     for d in dimensions:
         full = [k for (dim, k), n in counts.items() if dim == d and n >= limits.limit(d, k) > 0]
         if full:  # saturated keys are excluded in the query, not skipped one row at a time
-            where.append(f"j.{d} NOT IN ({', '.join(['%s'] * len(full))})")
+            # IS NULL: a job without this key (pool) is never limited by it, and NULL NOT IN (…) is not true.
+            where.append(f"(j.{d} IS NULL OR j.{d} NOT IN ({', '.join(['%s'] * len(full))}))")
             params += full
     if passed_over:
         where.append(f"j.id NOT IN ({', '.join(['%s'] * len(passed_over))})")
         params += sorted(passed_over)
+    # SQLite without ANALYZE statistics prefers an equality index (requirements_id or
+    # state) and sorts every queued job, so a claim grew linearly with depth
+    # (bench/queue_bench.py: 27 ms at 100k queued). Walking the partial claim-order
+    # index stops at the first eligible row. PostgreSQL picks it by itself.
+    hint = "" if _postgres() else " INDEXED BY job_claim_order"
     statement = (
-        f"SELECT {sql.CANDIDATE_COLUMNS} FROM queue_job j JOIN workflows_task t ON t.id = j.task_id"
+        f"SELECT {sql.CANDIDATE_COLUMNS} FROM queue_job j{hint} JOIN workflows_task t ON t.id = j.task_id"
         " LEFT JOIN queue_affinity af ON af.task_id = j.task_id"
         f" WHERE {' AND '.join(where)} ORDER BY j.priority DESC, j.available_at, j.id LIMIT %s"
     )
