@@ -97,14 +97,20 @@ def run(spec: dict) -> dict:
         )
         db.execute("COMMIT")
         done = 0
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         while lifecycle(db):
             done += 1
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         db.close()
     if done != jobs:
         raise RuntimeError(f"bare sqlite3 finished {done} of {jobs} jobs")
-    return {"jobs": jobs, "claim_finish_per_s": done / elapsed, "seconds": elapsed, "sqlite": sqlite3.sqlite_version}
+    return {
+        "jobs": jobs,
+        "claim_finish_per_s": done / elapsed,
+        "seconds": elapsed,
+        "cpu_ms": cpu / jobs * 1000,
+        "sqlite": sqlite3.sqlite_version,
+    }
 
 
 if __name__ == "__main__":

@@ -93,10 +93,10 @@ def run_throughput(spec: dict) -> dict:
     facts = database_facts()
     jobs, procs = spec["jobs"], spec["procs"]
     tasks = make_tasks(jobs, prefix="tp")
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for task in tasks:
         services.job_enqueue(task=task, workflow="bench", agent="engineer", runner="shell", project="bench")
-    enqueue_s = time.perf_counter() - started
+    enqueue_s, enqueue_cpu = time.perf_counter() - started, time.process_time() - cpu
     connection.close()  # the claimers own the database from here
 
     claimers = [
@@ -134,7 +134,10 @@ def run_throughput(spec: dict) -> dict:
         "jobs": jobs,
         "procs": procs,
         "enqueue_per_s": jobs / enqueue_s,
+        "enqueue_cpu_ms": enqueue_cpu / jobs * 1000,
         "claim_finish_per_s": claimed / span,
+        # CPU the claimers spent per job: what the load of other processes on a shared machine does not change.
+        "claim_finish_cpu_ms": sum(r["cpu"] for r in results) / claimed * 1000,
         "seconds": span,
         "per_process": [r["claimed"] for r in results],
         "unavailable_retries": sum(r["retries"] for r in results),
@@ -158,6 +161,7 @@ def run_claimer(spec: dict) -> dict:
     if sys.stdin.readline().strip() != "GO":
         raise SystemExit("no GO")
     claimed = retries = 0
+    cpu = time.process_time()
     start = time.monotonic()  # CLOCK_MONOTONIC is system-wide on Linux: comparable across processes
     while True:
         try:
@@ -175,7 +179,8 @@ def run_claimer(spec: dict) -> dict:
                 except Unavailable:
                     retries += 1
             claimed += 1
-    return {"claimed": claimed, "start": start, "end": time.monotonic(), "retries": retries}
+    end = time.monotonic()
+    return {"claimed": claimed, "start": start, "end": end, "retries": retries, "cpu": time.process_time() - cpu}
 
 
 # --------------------------------------------------------------------------- depth

@@ -125,17 +125,22 @@ def measure_backend(backend, sizes: dict, repeat: int) -> dict:
             )
             add("enqueue", res["enqueue_per_s"])
             add(f"claim_finish_{procs}", res["claim_finish_per_s"])
+            add("enqueue_cpu", res["enqueue_cpu_ms"])
+            add(f"claim_finish_cpu_{procs}", res["claim_finish_cpu_ms"])
             add("db", res["db"])
             log(
                 f"[{backend.name} #{r + 1}] {procs} claimer(s), {res['jobs']} jobs: enqueue {res['enqueue_per_s']:.0f}/s,"
-                f" claim+finish {res['claim_finish_per_s']:.0f}/s, split {res['per_process']},"
+                f" claim+finish {res['claim_finish_per_s']:.0f}/s ({res['claim_finish_cpu_ms']:.2f} CPU ms/job), split {res['per_process']},"
                 f" retries {res['unavailable_retries']} ({time.monotonic() - t0:.1f} s)"
             )
             if procs == 1 and backend.name == "sqlite":
                 # Right after the one-process run, so both see the same disk: the machine is shared.
                 res = child("bench.bare_sqlite", [json.dumps({"jobs": sizes["bare_jobs"]})], {})
                 add("bare", res["claim_finish_per_s"])
-                log(f"[bare sqlite3 #{r + 1}] {res['jobs']} jobs: {res['claim_finish_per_s']:.0f}/s")
+                add("bare_cpu", res["cpu_ms"])
+                log(
+                    f"[bare sqlite3 #{r + 1}] {res['jobs']} jobs: {res['claim_finish_per_s']:.0f}/s ({res['cpu_ms']:.2f} CPU ms/job)"
+                )
         for res in measure_depths(backend, sizes):
             label = "blocked" if res["ineligible"] else res["depth"]
             add(f"p50_{label}", res["p50_ms"])
@@ -211,11 +216,17 @@ def render(results: dict[str, dict | str], sizes: dict, repeat: int) -> str:
     def cells(fn) -> list[str]:
         return [fn(s) if isinstance(s, dict) else "—" for s in results.values()]
 
-    def rate(key):
-        return lambda s: f"{v:,.0f}" if (v := med(s, key)) is not None else "—"
+    def rate(key, cpu_key):
+        def cell(s):
+            v, cpu = med(s, key), med(s, cpu_key)
+            return f"{v:,.0f} ({cpu:.2f})" if v is not None else "—"
 
-    rows.append((f"enqueue via services.job_enqueue, jobs/s (N={sizes['jobs']})", cells(rate("enqueue")), ""))
-    one = cells(rate("claim_finish_1"))
+        return cell
+
+    rows.append(
+        (f"enqueue via services.job_enqueue, jobs/s (N={sizes['jobs']})", cells(rate("enqueue", "enqueue_cpu")), "")
+    )
+    one = cells(rate("claim_finish_1", "claim_finish_cpu_1"))
     sq = results.get("sqlite")
     verdict = ""
     if isinstance(sq, dict) and (v := med(sq, "claim_finish_1")) is not None:
@@ -227,7 +238,13 @@ def render(results: dict[str, dict | str], sizes: dict, repeat: int) -> str:
             f"SQLite ≥ {SQLITE_ONE_PROCESS_TARGET}  {verdict}",
         )
     )
-    rows.append((f"claim+finish, 4 processes, jobs/s (N={sizes['jobs']})", cells(rate("claim_finish_4")), ""))
+    rows.append(
+        (
+            f"claim+finish, 4 processes, jobs/s (N={sizes['jobs']})",
+            cells(rate("claim_finish_4", "claim_finish_cpu_4")),
+            "",
+        )
+    )
 
     def lat(label):
         def cell(s):
@@ -266,7 +283,7 @@ def render(results: dict[str, dict | str], sizes: dict, repeat: int) -> str:
         (
             f"bare sqlite3 claim+finish, jobs/s (N={sizes['bare_jobs']})",
             [
-                rate("bare")(results["sqlite"]) if b == "sqlite" and isinstance(results[b], dict) else "—"
+                rate("bare", "bare_cpu")(results["sqlite"]) if b == "sqlite" and isinstance(results[b], dict) else "—"
                 for b in backends
             ],
             "physical ceiling",
@@ -333,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render(results, sizes, args.repeat))
     print()
     notes = [
+        "jobs/s (CPU ms per job, summed over the processes: the part other processes' load does not change).",
         "enqueue: tasks pre-created by bulk_create (untimed), then one services.job_enqueue call per job, one process.",
         "claim+finish: N jobs enqueued through the services, then P claimer processes (own Django setup and"
         " connection, one worker each, no limits) loop jobs_claim(max_jobs=1) -> attempt_finish(succeeded) until"
