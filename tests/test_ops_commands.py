@@ -137,9 +137,15 @@ def test_status_with_a_missing_config_fails_with_exit_2(clock, tmp_path):
     assert info.value.returncode == 2
 
 
-def test_status_remote_is_not_there_yet(clock):
-    with pytest.raises(CommandError, match="remote status not implemented yet"):
-        run("status", "--control-plane", "http://cp:8080", "--token", "t")
+def test_status_remote_needs_a_url_and_a_token(clock, monkeypatch):
+    # The remote variant itself runs against a real control plane in tests/remote.
+    monkeypatch.delenv("APIARY_WORKER_TOKEN", raising=False)
+    with pytest.raises(CommandError, match="add --control-plane URL") as info:
+        run("status", "--token", "t")
+    assert info.value.returncode == 2
+    with pytest.raises(CommandError, match="pass --token or set APIARY_WORKER_TOKEN") as info:
+        run("status", "--control-plane", "http://cp:8080")
+    assert info.value.returncode == 2
 
 
 # --------------------------------------------------------------------------- cancel

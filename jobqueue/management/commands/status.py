@@ -1,8 +1,9 @@
 """`apiary status [--json]`: job counts, workers, running and blocked jobs.
 
 The local variant reads `jobqueue.selectors.status_document()`; the remote
-variant (`--control-plane URL --token T`) will fetch the same document from
-`GET status` and print it with the same `render_status`.
+variant (`--control-plane URL --token T`, the token also from
+$APIARY_WORKER_TOKEN) fetches the same document from the worker protocol's
+`GET status` and prints it with the same `render_status`.
 """
 
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 
 from apiary_site import bootstrap
+from jobqueue.exceptions import QueueError
 from jobqueue.selectors import BLOCKED_LIMIT, status_document
 
 STATES = ("queued", "leased", "succeeded", "failed", "cancelled")
@@ -106,6 +108,27 @@ def _apply_config(explicit: str | None) -> None:
         bootstrap.configure(explicit)
 
 
+def _remote_status(*, url: str | None, token: str | None, ca_cert: str | None) -> dict:
+    """`GET status` of a control plane over the worker protocol."""
+    from workers.http import HttpTransport  # requests is only needed for the remote variant
+    from workers.transport import TransportError, Unauthorized
+
+    token = token or os.environ.get("APIARY_WORKER_TOKEN", "")
+    if not url:
+        raise CommandError("--token is for a remote status: add --control-plane URL", returncode=2)
+    if not token:
+        raise CommandError("no worker token for --control-plane: pass --token or set APIARY_WORKER_TOKEN", returncode=2)
+    transport = HttpTransport(base_url=url, token=token, worker_id="status", ca_cert=ca_cert, attempts=2)
+    try:
+        return transport.status()
+    except Unauthorized as exc:  # the message never holds the token
+        raise CommandError(f"the control plane at {url} refused the worker token: {exc.message}", returncode=2) from exc
+    except TransportError as exc:
+        raise CommandError(f"cannot reach the control plane at {url}: {exc.message}") from exc
+    except QueueError as exc:
+        raise CommandError(f"the control plane at {url} answered {exc.code}: {exc.message}") from exc
+
+
 class Command(BaseCommand):
     help = "Show job counts, workers, running jobs and blocked jobs with the reason."
 
@@ -115,13 +138,17 @@ class Command(BaseCommand):
             "--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)"
         )
         parser.add_argument("--control-plane", metavar="URL", help="read the status of a remote control plane")
-        parser.add_argument("--token", metavar="T", help="worker token for --control-plane")
+        parser.add_argument(
+            "--token", metavar="T", help="worker token for --control-plane (default: $APIARY_WORKER_TOKEN)"
+        )
+        parser.add_argument("--ca-cert", metavar="PATH", help="CA bundle to verify an https:// control plane")
 
     def handle(self, *args, **options):
         if options["control_plane"] or options["token"]:
-            raise CommandError("remote status not implemented yet")
-        _apply_config(options["config"])
-        doc = status_document()
+            doc = _remote_status(url=options["control_plane"], token=options["token"], ca_cert=options["ca_cert"])
+        else:
+            _apply_config(options["config"])
+            doc = status_document()
         if options["json"]:
             self.stdout.write(json.dumps(doc, indent=2))
         else:
