@@ -10,8 +10,11 @@ claims from a thread pool without tying up a process per waiting worker.
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 from gunicorn.app.base import BaseApplication
 
@@ -60,13 +63,33 @@ def options_for(bind: str) -> dict:
 def start(bind: str, *, config_path: str) -> subprocess.Popen:
     """Start the listener as a child process of the daemon."""
     env = {**os.environ, "APIARY_CONFIG": config_path}
-    return subprocess.Popen([sys.executable, "-m", "apiary_site.listener", "--bind", bind], env=env)
+    argv = [sys.executable, "-m", "apiary_site.listener", "--bind", bind, "--parent", str(os.getpid())]
+    return subprocess.Popen(argv, env=env)
+
+
+def exit_with_parent(parent: int, *, interval: float = 0.5) -> threading.Thread:
+    """Stop gracefully (SIGTERM to ourselves) once `parent` is no longer our
+    parent. A SIGKILLed daemon cannot stop its listener: the orphan would keep
+    serving the protocol with no reaper behind it, and hold the port so the
+    restarted daemon could not bind it."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Serve the Apiary worker protocol with gunicorn.")
     parser.add_argument("--bind", required=True)
+    parser.add_argument("--parent", type=int, help="pid of the daemon; the listener stops when it is gone")
     args = parser.parse_args()
+    if args.parent:
+        exit_with_parent(args.parent)  # in the arbiter only: forked workers do not inherit threads
     ListenerApplication(options_for(args.bind)).run()
 
 
