@@ -122,6 +122,8 @@ class WorkerRuntime:
             self.start()
         beat = threading.Thread(target=self._heartbeat_loop, name=f"{self.spec.worker_id}-heartbeat", daemon=True)
         beat.start()
+        fence = threading.Thread(target=self._fence_loop, name=f"{self.spec.worker_id}-fence", daemon=True)
+        fence.start()
         try:
             while not self.stopped.is_set():
                 self.reap()
@@ -135,6 +137,7 @@ class WorkerRuntime:
         finally:
             self.stopped.set()
             beat.join(timeout=5)
+            fence.join(timeout=5)
         self.reap(wait=True)
         if self.fatal is None:
             self._send_worker_heartbeat(ready=False)
@@ -208,12 +211,34 @@ class WorkerRuntime:
         self.last_contact = self.monotonic()
         return drain
 
+    def _fence_loop(self) -> None:
+        """Self-fencing on a thread of its own, which never waits on the
+        network: the heartbeat thread can hang in a request for as long as
+        the read timeout (a partition answers nothing, not even an error),
+        and a hung request must not keep a runner alive past its lease."""
+        while not self.stopped.is_set():
+            with self.lock:
+                jobs = list(self.active.values())
+            for job in jobs:
+                self._fence(job)
+            self.stopped.wait(0.05)
+
+    def _fence(self, job: ActiveJob) -> bool:
+        """Stop the job's runner once its lease must have passed; True when fenced (now or before)."""
+        if job.discard:
+            return True
+        if job.thread is None or not job.thread.is_alive():
+            return False
+        if self.monotonic() >= job.acked_at + self.registration.lease_duration - self.margin:
+            self._discard(job, "its lease must have run out without an acknowledged heartbeat (self-fenced)")
+            return True
+        return False
+
     def _beat(self, job: ActiveJob) -> None:
         now = self.monotonic()
         if job.discard or job.thread is None or not job.thread.is_alive():
             return
-        if now >= job.acked_at + self.registration.lease_duration - self.margin:
-            self._discard(job, "its lease must have run out without an acknowledged heartbeat (self-fenced)")
+        if self._fence(job):
             return
         if now < job.next_heartbeat:
             return
