@@ -57,17 +57,25 @@ class HttpTransport:
         self.read_timeout = read_timeout
         self.attempts = attempts
         self.version = version
+        self.beat_timeout = read_timeout  # one heartbeat interval, once registered
         self.session = requests.Session()
         self.session.headers.update({"Authorization": f"Bearer {token}", "Accept": "application/json"})
         if ca_cert:
             self.session.verify = ca_cert
 
-    def _call(self, method: str, path: str, body: dict | None = None, *, extra_read: float = 0.0) -> dict:
+    def _call(
+        self, method: str, path: str, body: dict | None = None, *, extra_read: float = 0.0, quick: bool = False
+    ) -> dict:
+        """`quick` calls (heartbeats) try once with a read timeout of one
+        heartbeat interval: the runtime beats again next round, and one hung
+        request must not hold up the heartbeats of every other job."""
         delay = 0.25
-        for attempt in range(1, self.attempts + 1):
+        attempts = 1 if quick else self.attempts
+        read = self.beat_timeout if quick else self.read_timeout + extra_read
+        for attempt in range(1, attempts + 1):
             try:
                 response = self.session.request(
-                    method, self.base + path, json=body, timeout=(self.connect_timeout, self.read_timeout + extra_read)
+                    method, self.base + path, json=body, timeout=(self.connect_timeout, read)
                 )
             except requests.RequestException as exc:
                 failure = TransportError(f"{method} {path}: {type(exc).__name__}: {exc}")
@@ -87,7 +95,7 @@ class HttpTransport:
                 if response.status_code < 500:
                     raise InvalidRequest(f"{method} {path}: HTTP {response.status_code} {code}: {message}")
                 failure = TransportError(f"{method} {path}: HTTP {response.status_code} {code}: {message}")
-            if attempt == self.attempts:
+            if attempt == attempts:
                 raise failure
             time.sleep(delay * random.uniform(0.5, 1.5))  # jitter: no lockstep between workers
             delay = min(delay * 2, 5.0)
@@ -108,6 +116,7 @@ class HttpTransport:
                 "pid": os.getpid(),
             },
         )
+        self.beat_timeout = max(1.0, float(answer["heartbeat_interval"]))
         return Registration(
             session=answer["session"],
             lease_duration=float(answer["lease_duration"]),
@@ -117,7 +126,10 @@ class HttpTransport:
 
     def worker_heartbeat(self, *, session: str, draining: bool, ready: bool) -> bool:
         answer = self._call(
-            "POST", f"workers/{self.worker_id}/heartbeat", {"session": session, "draining": draining, "ready": ready}
+            "POST",
+            f"workers/{self.worker_id}/heartbeat",
+            {"session": session, "draining": draining, "ready": ready},
+            quick=True,
         )
         return bool(answer["drain"])
 
@@ -145,7 +157,7 @@ class HttpTransport:
         ]
 
     def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat:
-        answer = self._call("POST", f"attempts/{attempt_id}/heartbeat", {"token": token})
+        answer = self._call("POST", f"attempts/{attempt_id}/heartbeat", {"token": token}, quick=True)
         return Heartbeat(lease_expires_at=parse_time(answer["lease_expires_at"]), cancel=bool(answer["cancel"]))
 
     def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str:
