@@ -198,15 +198,23 @@ def fill(depth: int, *, ineligible: int = 0) -> None:
 
     now = dt.datetime.now(dt.UTC)
     with transaction.atomic():
+        keys = {"project": "bench", "source": "bench", "agent": "engineer"}
         reqs = RequirementSet.objects.create(
             pool=None,
             labels=[],
             capabilities=CAPABILITIES,
-            digest=RequirementSet.digest_of(None, [], CAPABILITIES),
+            runner="shell",
+            digest=RequirementSet.digest_of(None, [], CAPABILITIES, ("bench", "bench", "engineer", "shell")),
+            **keys,
         )
         other = ["apiary.workflow", "runner:codex"]
         blocked = RequirementSet.objects.create(
-            pool=None, labels=[], capabilities=other, digest=RequirementSet.digest_of(None, [], other)
+            pool=None,
+            labels=[],
+            capabilities=other,
+            runner="codex",
+            digest=RequirementSet.digest_of(None, [], other, ("bench", "bench", "engineer", "codex")),
+            **keys,
         )
         total = ineligible + depth
         tasks = make_tasks(total, prefix="depth")

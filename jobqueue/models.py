@@ -65,19 +65,31 @@ ATTEMPT_TRANSITIONS: dict[str, frozenset[str]] = {
 
 
 class RequirementSet(models.Model):
-    """A distinct (pool, labels, capabilities) requirement, shared by every job
-    that needs it. A claim first finds the few sets the worker satisfies, then
-    asks for jobs pointing at those: its cost does not grow with the number of
-    queued jobs the worker cannot take."""
+    """A class of jobs: what they require of a worker (pool, labels,
+    capabilities) and which limit keys they count against (project, source,
+    agent, runner, pool). Jobs point to it; rows are immutable and few.
+
+    A claim first decides in Python which classes this worker may take now —
+    requirements satisfied, no limit key saturated — then walks the claim-order
+    index of each such class only. So its cost does not grow with the number
+    of queued jobs the worker cannot take, whether for want of a label or
+    because their limit is reached."""
 
     pool = models.CharField(max_length=128, null=True, blank=True)
     labels = models.JSONField(default=list)
     capabilities = models.JSONField(default=list)
+    project = models.CharField(max_length=128, default="")
+    source = models.CharField(max_length=128, default="")
+    agent = models.CharField(max_length=128, default="")
+    runner = models.CharField(max_length=64, default="")
     digest = models.CharField(max_length=64, unique=True)
 
     @staticmethod
-    def digest_of(pool: str | None, labels: list[str], capabilities: list[str]) -> str:
-        canonical = json.dumps([pool, sorted(set(labels)), sorted(set(capabilities))], separators=(",", ":"))
+    def digest_of(
+        pool: str | None, labels: list[str], capabilities: list[str], keys: tuple[str, str, str, str] = ("", "", "", "")
+    ) -> str:
+        """`keys` = (project, source, agent, runner)."""
+        canonical = json.dumps([pool, sorted(set(labels)), sorted(set(capabilities)), *keys], separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def satisfied_by(self, *, pool: str | None, labels: set[str], capabilities: set[str]) -> bool:
@@ -125,10 +137,10 @@ class Job(models.Model):
 
     class Meta:
         indexes = [
-            # The claim's walk: queued jobs in claim order. Partial, so finished
-            # history never costs a claim anything.
+            # The claim's walk: queued jobs of one class in claim order. Partial,
+            # so finished history never costs a claim anything.
             models.Index(
-                fields=["-priority", "available_at", "id"],
+                fields=["requirements", "-priority", "available_at", "id"],
                 name="job_claim_order",
                 condition=Q(state="queued"),
             ),

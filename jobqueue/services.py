@@ -134,15 +134,22 @@ class Retry:
     backoff_max: float = 300.0
 
 
-def _requirement_set(pool: str | None, labels: Iterable[str], capabilities: Iterable[str]) -> RequirementSet:
+def _requirement_set(
+    pool: str | None, labels: Iterable[str], capabilities: Iterable[str], keys: tuple[str, str, str, str]
+) -> RequirementSet:
+    """The class of a job: its requirements and its limit keys (project, source, agent, runner)."""
     labels, capabilities = sorted(set(labels)), sorted(set(capabilities))
-    digest = RequirementSet.digest_of(pool, labels, capabilities)
+    digest = RequirementSet.digest_of(pool, labels, capabilities, keys)
     found = RequirementSet.objects.filter(digest=digest).first()
     if found:
         return found
+    project, source, agent, runner = keys
     try:
         with transaction.atomic():
-            return RequirementSet.objects.create(pool=pool, labels=labels, capabilities=capabilities, digest=digest)
+            return RequirementSet.objects.create(
+                pool=pool, labels=labels, capabilities=capabilities, digest=digest,
+                project=project, source=source, agent=agent, runner=runner,
+            )
     except IntegrityError:  # created concurrently (PostgreSQL)
         return RequirementSet.objects.get(digest=digest)
 
@@ -180,7 +187,9 @@ def job_enqueue(
         return existing, False
     retry = retry or Retry()
     pool = pool or None
-    requirements = _requirement_set(pool, labels, [*capabilities, BASE_CAPABILITY, f"runner:{runner}"])
+    requirements = _requirement_set(
+        pool, labels, [*capabilities, BASE_CAPABILITY, f"runner:{runner}"], (project, task.source, agent, runner)
+    )
     try:
         with transaction.atomic():
             instance = WorkflowInstance.objects.create(
@@ -234,12 +243,12 @@ class Claim:
 
 
 class _RequirementCache:
-    """Requirement sets are immutable, so each process keeps the ones it has
-    seen and fetches only newer ids. On PostgreSQL ids can commit out of order;
-    a set this cache missed only makes its jobs invisible to this process until
-    `reset()` (called when a claim finds nothing) picks it up. Shared by the
-    threads of a process (gthread listener, the daemon's worker): the lock
-    guards the dict, never a query."""
+    """Requirement sets (job classes) are immutable, so each process keeps the
+    ones it has seen and fetches only newer ids. On PostgreSQL ids can commit
+    out of order; a set this cache missed only makes its jobs invisible to
+    this process until `reset()` (called when a claim finds nothing) picks it
+    up. Shared by the threads of a process (gthread listener, the daemon's
+    worker): the lock guards the dict, never a query."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -247,20 +256,22 @@ class _RequirementCache:
 
     def reset(self):
         with self.lock:
-            self.sets: dict[int, tuple[str | None, frozenset, frozenset]] = {}
+            self.sets: dict[int, tuple[str | None, frozenset, frozenset, dict[str, str | None]]] = {}
             self.last_id = 0
 
-    def eligible(self, cursor, pool: str | None, labels: set[str], capabilities: set[str]) -> list[int]:
+    def eligible(self, cursor, pool: str | None, labels: set[str], capabilities: set[str]) -> list[tuple[int, dict]]:
+        """[(set id, its limit keys by dimension)] for the sets this worker satisfies."""
         cursor.execute(sql.REQUIREMENT_SETS, [self.last_id])
         rows = cursor.fetchall()
         with self.lock:
-            for pk, need_pool, need_labels, need_caps in rows:
-                self.sets[pk] = (need_pool, frozenset(sql.from_js(need_labels)), frozenset(sql.from_js(need_caps)))
+            for pk, need_pool, need_labels, need_caps, project, source, agent, runner in rows:
+                keys = {"project": project, "source": source, "agent": agent, "runner": runner, "pool": need_pool}
+                self.sets[pk] = (need_pool, frozenset(sql.from_js(need_labels)), frozenset(sql.from_js(need_caps)), keys)
                 self.last_id = max(self.last_id, pk)
             known = list(self.sets.items())
         return [
-            pk
-            for pk, (need_pool, need_labels, need_caps) in known
+            (pk, keys)
+            for pk, (need_pool, need_labels, need_caps, keys) in known
             if (need_pool is None or need_pool == pool) and need_labels <= labels and need_caps <= capabilities
         ]
 
@@ -347,7 +358,11 @@ def jobs_claim(*, worker_id: str, session: str, max_jobs: int = 1, clock: Clock 
         passed_over: set[int] = set()
         for _round in range(4):  # each round claims or passes over ≥1 job; a short answer is fine
             want = wanted - len(claims)
-            batch = _candidates(cursor, eligible, worker_id, n_ow, limits, dimensions, counts, passed_over, want)
+            open_sets = [
+                pk for pk, keys in eligible
+                if not any(counts[(d, keys[d])] >= limits.limit(d, keys[d]) > 0 for d in dimensions)
+            ]
+            batch = _candidates(cursor, open_sets, worker_id, n_ow, passed_over, want) if open_sets else []
             for cand in batch:
                 keys = [(d, cand[d], lim) for d in dimensions if (lim := limits.limit(d, cand[d])) > 0]
                 if keys and postgres:
@@ -372,39 +387,47 @@ def jobs_claim(*, worker_id: str, session: str, max_jobs: int = 1, clock: Clock 
         return claims
 
 
-def _candidates(cursor, eligible, worker_id, n_ow, limits, dimensions, counts, passed_over, want) -> list[dict]:
-    where = [
-        "j.state = 'queued'",
-        "j.available_at <= %s",
-        f"j.requirements_id IN ({', '.join(['%s'] * len(eligible))})",
-        "(NOT j.affinity OR af.worker_id IS NULL OR af.worker_id = %s)",
-    ]
-    params: list = [n_ow, *eligible, worker_id]
-    for d in dimensions:
-        full = [k for (dim, k), n in counts.items() if dim == d and n >= limits.limit(d, k) > 0]
-        if full:  # saturated keys are excluded in the query, not skipped one row at a time
-            # IS NULL: a job without this key (pool) is never limited by it, and NULL NOT IN (…) is not true.
-            where.append(f"(j.{d} IS NULL OR j.{d} NOT IN ({', '.join(['%s'] * len(full))}))")
-            params += full
-    if passed_over:
-        where.append(f"j.id NOT IN ({', '.join(['%s'] * len(passed_over))})")
-        params += sorted(passed_over)
-    # SQLite without ANALYZE statistics prefers an equality index (requirements_id or
-    # state) and sorts every queued job, so a claim grew linearly with depth
-    # (bench/queue_bench.py: 27 ms at 100k queued). Walking the partial claim-order
-    # index stops at the first eligible row. PostgreSQL picks it by itself.
-    hint = "" if _postgres() else " INDEXED BY job_claim_order"
-    statement = (
-        f"SELECT {sql.CANDIDATE_COLUMNS} FROM queue_job j{hint} JOIN workflows_task t ON t.id = j.task_id"
+def _candidates(cursor, classes: list[int], worker_id: str, n_ow, passed_over: set[int], want: int) -> list[dict]:
+    """Up to `want` claimable jobs of the given classes, best first.
+
+    Each class is walked on its own through the partial index
+    (requirements, -priority, available_at, id) and stops after `want` rows;
+    the union of those short walks is merged and cut. Only pinned-elsewhere
+    affinity jobs and jobs passed over earlier in this claim are skipped one by
+    one. On PostgreSQL the chosen rows are then locked, skipping any another
+    claimer holds."""
+    walk = (
+        "SELECT j.id, j.priority, j.available_at FROM queue_job j{hint}"
         " LEFT JOIN queue_affinity af ON af.task_id = j.task_id"
-        f" WHERE {' AND '.join(where)} ORDER BY j.priority DESC, j.available_at, j.id LIMIT %s"
+        " WHERE j.state = 'queued' AND j.requirements_id = %s AND j.available_at <= %s"
+        " AND (NOT j.affinity OR af.worker_id IS NULL OR af.worker_id = %s){skip}"
+        " ORDER BY j.priority DESC, j.available_at, j.id LIMIT %s"
+    ).format(
+        # SQLite without ANALYZE statistics may prefer another index and sort;
+        # PostgreSQL picks the claim-order index by itself.
+        hint="" if _postgres() else " INDEXED BY job_claim_order",
+        skip=f" AND j.id NOT IN ({', '.join(['%s'] * len(passed_over))})" if passed_over else "",
+    )
+    skipped = sorted(passed_over)
+    parts, params = [], []
+    for i, pk in enumerate(classes):
+        parts.append(f"SELECT * FROM ({walk}) AS c{i}")
+        params += [pk, n_ow, worker_id, *skipped, want]
+    cursor.execute(" UNION ALL ".join(parts) + " ORDER BY priority DESC, available_at, id LIMIT %s", [*params, want])
+    order = [row[0] for row in cursor.fetchall()]
+    if not order:
+        return []
+    statement = (
+        f"SELECT {sql.CANDIDATE_COLUMNS} FROM queue_job j JOIN workflows_task t ON t.id = j.task_id"
+        f" WHERE j.state = 'queued' AND j.id IN ({', '.join(['%s'] * len(order))})"
     )
     if _postgres():
         statement += " FOR UPDATE OF j SKIP LOCKED"
-    cursor.execute(statement, [*params, want])
+    cursor.execute(statement, order)
     names = ("id", "attempt_count", "workflow", "instance_id", "agent", "runner", "project", "source", "pool")
     names += ("affinity", "task_id", "t_source", "item_key", "generation", "title", "body", "payload")
-    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    rows = {row[0]: dict(zip(names, row, strict=True)) for row in cursor.fetchall()}
+    return [rows[pk] for pk in order if pk in rows]
 
 
 def _lease(cursor, cand: dict, worker_id: str, session: str, now: dt.datetime, cfg: conf.QueueConfig) -> Claim:

@@ -20,7 +20,10 @@ SELECT w.session, w.pool, w.labels, w.capabilities, w.capacity, w.draining, w.re
  WHERE w.worker_id = %s
 """
 
-REQUIREMENT_SETS = "SELECT id, pool, labels, capabilities FROM queue_requirementset WHERE id > %s ORDER BY id"
+REQUIREMENT_SETS = """
+SELECT id, pool, labels, capabilities, project, source, agent, runner
+  FROM queue_requirementset WHERE id > %s ORDER BY id
+"""
 
 CANDIDATE_COLUMNS = (
     "j.id, j.attempt_count, j.workflow, j.instance_id, j.agent, j.runner, j.project, j.source, j.pool, j.affinity,"
