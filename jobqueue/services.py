@@ -50,6 +50,7 @@ log = logging.getLogger("apiary.queue")
 WORKER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 OUTCOMES = (AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.CANCELLED)
 BASE_CAPABILITY = "apiary.workflow"
+CANDIDATE_SPARES = 8  # PostgreSQL: extra candidates per claim, for rows other claimers hold locked
 
 _jitter = random.Random()
 
@@ -408,26 +409,33 @@ def _candidates(cursor, classes: list[int], worker_id: str, n_ow, passed_over: s
         hint="" if _postgres() else " INDEXED BY job_claim_order",
         skip=f" AND j.id NOT IN ({', '.join(['%s'] * len(passed_over))})" if passed_over else "",
     )
+    # On PostgreSQL concurrent claimers see the same best jobs; a few spare
+    # candidates let one that finds them locked take the next ones instead of
+    # coming back empty. SQLite claims one at a time: no spares needed.
+    postgres = _postgres()
+    walk_limit = want + (CANDIDATE_SPARES if postgres else 0)
     skipped = sorted(passed_over)
     parts, params = [], []
     for i, pk in enumerate(classes):
         parts.append(f"SELECT * FROM ({walk}) AS c{i}")
-        params += [pk, n_ow, worker_id, *skipped, want]
-    cursor.execute(" UNION ALL ".join(parts) + " ORDER BY priority DESC, available_at, id LIMIT %s", [*params, want])
-    order = [row[0] for row in cursor.fetchall()]
-    if not order:
+        params += [pk, n_ow, worker_id, *skipped, walk_limit]
+    cursor.execute(
+        " UNION ALL ".join(parts) + " ORDER BY priority DESC, available_at, id LIMIT %s", [*params, walk_limit]
+    )
+    ids = [row[0] for row in cursor.fetchall()]
+    if not ids:
         return []
     statement = (
         f"SELECT {sql.CANDIDATE_COLUMNS} FROM queue_job j JOIN workflows_task t ON t.id = j.task_id"
-        f" WHERE j.state = 'queued' AND j.id IN ({', '.join(['%s'] * len(order))})"
+        f" WHERE j.state = 'queued' AND j.id IN ({', '.join(['%s'] * len(ids))})"
+        " ORDER BY j.priority DESC, j.available_at, j.id LIMIT %s"
     )
-    if _postgres():
-        statement += " FOR UPDATE OF j SKIP LOCKED"
-    cursor.execute(statement, order)
+    if postgres:
+        statement += " FOR UPDATE OF j SKIP LOCKED"  # the LIMIT counts only rows it could lock
+    cursor.execute(statement, [*ids, want])
     names = ("id", "attempt_count", "workflow", "instance_id", "agent", "runner", "project", "source", "pool")
     names += ("affinity", "task_id", "t_source", "item_key", "generation", "title", "body", "payload")
-    rows = {row[0]: dict(zip(names, row, strict=True)) for row in cursor.fetchall()}
-    return [rows[pk] for pk in order if pk in rows]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
 
 def _lease(cursor, cand: dict, worker_id: str, session: str, now: dt.datetime, cfg: conf.QueueConfig) -> Claim:
