@@ -15,6 +15,22 @@ import sys
 
 ALIASES = {"run": "runapiary", "check": "checkconfig"}
 
+USAGE = """usage: apiary COMMAND [options]   (apiary COMMAND --help for its options)
+
+  run [--config F] [--until-idle]      the control plane, embedded worker and listener
+  check [--config F]                   validate apiary.yaml (exit 0 or 2)
+  status [--json] [--control-plane URL --token T]
+  worker --control-plane URL --token T --id ID [--pool P] [--label L]… [--capability C]… [--capacity N]
+  worker drain ID | worker undrain ID
+  task add --source S --title T [--body B] [--workflow W]…
+  cancel INSTANCE
+  affinity release TASK
+  backup PATH
+
+Django's own commands work too (apiary migrate, apiary createsuperuser, …;
+apiary help --commands lists them).
+"""
+
 
 def _config_from_argv(argv: list[str]) -> str | None:
     for i, arg in enumerate(argv):
@@ -28,8 +44,8 @@ def _config_from_argv(argv: list[str]) -> str | None:
 def route(argv: list[str]) -> list[str]:
     """Map `apiary WORDS…` to Django's `manage.py COMMAND ARGS…`."""
     args = list(argv[1:])
-    if not args:
-        return [argv[0], "help"]
+    if not args or args in (["help"], ["-h"], ["--help"]):
+        return []
     if args[:2] == ["worker", "drain"]:
         return [argv[0], "drainworker", *args[2:]]
     if args[:2] == ["worker", "undrain"]:
@@ -46,4 +62,8 @@ def main(argv: list[str] | None = None, prog_is_manage: bool = False) -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "apiary_site.settings")
     from django.core.management import execute_from_command_line
 
-    execute_from_command_line(argv if prog_is_manage else route(argv))
+    routed = argv if prog_is_manage else route(argv)
+    if not routed:
+        sys.stdout.write(USAGE)
+        return
+    execute_from_command_line(routed)

@@ -1,0 +1,48 @@
+"""The `apiary` front door: words to Django commands, and `--config` read before settings."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apiary_site import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    ("words", "routed"),
+    [
+        (["run", "--until-idle"], ["runapiary", "--until-idle"]),
+        (["check"], ["checkconfig"]),
+        (["worker", "--id", "w1"], ["worker", "--id", "w1"]),
+        (["worker", "drain", "w1"], ["drainworker", "w1"]),
+        (["worker", "undrain", "w1"], ["drainworker", "--undo", "w1"]),
+        (["status", "--json"], ["status", "--json"]),
+        (["migrate"], ["migrate"]),
+        ([], []),
+        (["--help"], []),
+    ],
+)
+def test_route(words, routed):
+    assert cli.route(["apiary", *words]) == (["apiary", *routed] if routed else [])
+
+
+def test_config_is_read_before_django(tmp_path, monkeypatch):
+    monkeypatch.delenv("APIARY_CONFIG", raising=False)
+    assert cli._config_from_argv(["apiary", "run", "--config", "x/apiary.yaml"]) == "x/apiary.yaml"
+    assert cli._config_from_argv(["apiary", "run", "--config=y.yaml"]) == "y.yaml"
+    assert cli._config_from_argv(["apiary", "status"]) is None
+
+
+def test_usage_lists_the_commands():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("APIARY_", "DJANGO_"))}
+    out = subprocess.run(
+        [sys.executable, "-c", "from apiary_site.cli import main; main(['apiary'])"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=60,
+    )
+    assert out.returncode == 0
+    for word in ("run", "check", "status", "worker drain ID", "task add", "cancel INSTANCE", "affinity release TASK"):
+        assert word in out.stdout
