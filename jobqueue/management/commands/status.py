@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError, connection
 
 from apiary_site import bootstrap
 from jobqueue.exceptions import QueueError
@@ -148,7 +149,11 @@ class Command(BaseCommand):
             doc = _remote_status(url=options["control_plane"], token=options["token"], ca_cert=options["ca_cert"])
         else:
             _apply_config(options["config"])
-            doc = status_document()
+            try:
+                doc = status_document()
+            except DatabaseError as exc:  # e.g. a project where `apiary run` never ran
+                where = connection.settings_dict["NAME"]
+                raise CommandError(f"cannot read the queue database {where} ({exc}); has `apiary run` run here?") from exc
         if options["json"]:
             self.stdout.write(json.dumps(doc, indent=2))
         else:
