@@ -26,3 +26,15 @@ def queue_config():
 
     yield install
     conf.configure(previous)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_requirement_cache():
+    """The claim caches requirement sets per process, by id, as immutable rows.
+    Tests roll back or flush between each other and SQLite then hands the same
+    ids to different sets, so every test starts with an empty cache."""
+    from jobqueue import services  # needs the app registry, ready only once pytest-django set Django up
+
+    services._requirements.reset()
+    yield
+    services._requirements.reset()

@@ -4,7 +4,9 @@ import itertools
 
 from jobqueue import services
 from jobqueue.clock import get_clock
-from workflows.models import Task
+from jobqueue.models import Affinity, Attempt, Job, JobEvent, RequirementSet
+from workers.models import Worker
+from workflows.models import Task, WorkflowInstance
 
 _serial = itertools.count(1)
 
@@ -40,3 +42,9 @@ def register(worker_id: str = "w1", *, runners=("shell",), capabilities=(), **kw
 
 def claim(worker, max_jobs: int = 1):
     return services.jobs_claim(worker_id=worker.worker_id, session=worker.session, max_jobs=max_jobs)
+
+
+def snapshot() -> dict[str, list[dict]]:
+    """Every row a queue call could touch, for asserting that a call changed nothing."""
+    models = (Job, Attempt, JobEvent, Affinity, RequirementSet, Worker, WorkflowInstance, Task)
+    return {model.__name__: list(model.objects.order_by("pk").values()) for model in models}

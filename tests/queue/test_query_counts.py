@@ -1,0 +1,173 @@
+"""The hot path's query counts, pinned so an N+1 cannot creep in.
+
+Counts are taken inside pytest-django's `db` transaction, so each service's
+durable transaction shows up as a SAVEPOINT / RELEASE pair on both backends
+(the two "+ 2" below).
+"""
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from jobqueue import services
+from jobqueue.conf import Limits
+from jobqueue.models import Affinity, Job, JobEvent, JobState, RequirementSet
+from tests.factories import claim, enqueue, make_task, register
+from workers.models import Worker
+from workflows.models import Task
+
+pytestmark = pytest.mark.django_db
+
+TX = 2  # SAVEPOINT + RELEASE SAVEPOINT of the service's own transaction
+
+
+def test_claim_of_one_job(clock, django_assert_num_queries):
+    job = enqueue()
+    worker = register("w1")
+    # worker + capacity, requirement sets, candidates (the per-class walk, then their rows); attempt, job, event
+    with django_assert_num_queries(TX + 4 + 3):
+        [c] = claim(worker)
+    assert c.job_id == job.pk
+
+
+def test_claim_of_several_jobs_costs_three_writes_each(clock, django_assert_num_queries):
+    for _ in range(4):
+        enqueue()
+    worker = register("w1", capacity=4)
+    with django_assert_num_queries(TX + 4 + 3 * 4):
+        assert len(claim(worker, 4)) == 4
+
+
+def test_claim_with_no_requirement_set_it_satisfies_skips_the_job_query(clock, django_assert_num_queries):
+    enqueue(labels=["gpu"])
+    worker = register("w1")
+    with django_assert_num_queries(TX + 2):
+        assert claim(worker) == []
+
+
+def test_claim_that_finds_no_queued_job(clock, django_assert_num_queries):
+    enqueue()
+    claim(register("other"))
+    worker = register("w1")
+    with django_assert_num_queries(TX + 3):
+        assert claim(worker) == []
+
+
+def test_claim_of_idle_worker_at_capacity_stops_early(clock, django_assert_num_queries):
+    enqueue(), enqueue()
+    worker = register("w1")
+    claim(worker)
+    with django_assert_num_queries(TX + 1):  # its own row says it is full
+        assert claim(worker) == []
+
+
+def test_claim_with_limits_counts_live_attempts_in_one_query(clock, queue_config, django_assert_num_queries):
+    queue_config(limits=Limits(defaults={"project": 5, "agent": 5}))
+    enqueue(), enqueue()
+    worker = register("w1", capacity=2)
+    # PostgreSQL also takes an advisory lock per limited job and recounts under it.
+    per_job = 3 + (2 if connection.vendor == "postgresql" else 0)
+    with django_assert_num_queries(TX + 5 + per_job * 2):
+        assert len(claim(worker, 2)) == 2
+
+
+def test_heartbeat(clock, django_assert_num_queries):
+    enqueue()
+    [c] = claim(register("w1"))
+    with django_assert_num_queries(TX + 2):  # fenced read, lease update
+        assert services.attempt_heartbeat(attempt_id=c.attempt_id, token=c.token).cancel is False
+
+
+def test_finish(clock, django_assert_num_queries):
+    enqueue()
+    [c] = claim(register("w1"))
+    # fenced read; attempt, job, instance, task; event
+    with django_assert_num_queries(TX + 6):
+        assert services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded") == "succeeded"
+
+
+def test_retried_finish_is_a_single_read(clock, django_assert_num_queries):
+    enqueue()
+    [c] = claim(register("w1"))
+    services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
+    with django_assert_num_queries(TX + 1):
+        assert services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded") == "succeeded"
+
+
+# Queued jobs the worker cannot take, each kind ahead of the one it can take
+# (higher priority), so a claim that walked them would have to pass them all.
+
+
+def _blocked_by_label(n):
+    for _ in range(n):
+        enqueue(labels=["gpu"], priority=9)
+
+
+def _blocked_by_capability(n):
+    for _ in range(n):
+        enqueue(runner="codex-cli", priority=9)
+
+
+def _blocked_by_pool(n):
+    for _ in range(n):
+        enqueue(pool="deploy", priority=9)
+
+
+def _blocked_by_pin(n):
+    task = make_task()
+    enqueue(task, workflow="first", affinity=True, priority=9)
+    claim(register("pinner"))  # pins the task to another worker
+    for i in range(n):
+        enqueue(task, workflow=f"later-{i}", affinity=True, priority=9)
+
+
+def _blocked_by_limit(n):
+    enqueue(project="full", priority=9)
+    claim(register("holder"))  # holds the only slot of project "full"
+    for _ in range(n):
+        enqueue(project="full", priority=9)
+
+
+BLOCKERS = [_blocked_by_label, _blocked_by_capability, _blocked_by_pool, _blocked_by_pin, _blocked_by_limit]
+
+
+def _claim_queries(blocker, n: int) -> int:
+    """Queries of a claim that takes the one job it can, with `n` it cannot take ahead of it."""
+    blocker(n)
+    takeable = enqueue(project="free", priority=0)
+    worker = register("w1")
+    with CaptureQueriesContext(connection) as queries:
+        [c] = claim(worker)
+    assert c.job_id == takeable.pk
+    return len(queries.captured_queries)
+
+
+@pytest.mark.parametrize("blocker", BLOCKERS, ids=lambda b: b.__name__)
+def test_claim_cost_does_not_grow_with_jobs_the_worker_cannot_take(clock, queue_config, blocker):
+    queue_config(limits=Limits(overrides={"project": {"full": 1}}))
+    with_one = _claim_queries(blocker, 1)
+    # Start over with an empty queue: services refuse to nest in a savepoint
+    # we could roll back, so the rows go through the ORM.
+    _reset_queue()
+    with_many = _claim_queries(blocker, 200)
+    assert with_many == with_one
+
+
+def _reset_queue():
+    JobEvent.objects.all().delete()
+    Job.objects.all().delete()  # cascades to attempts
+    Affinity.objects.all().delete()
+    RequirementSet.objects.all().delete()
+    Worker.objects.all().delete()
+    Task.objects.all().delete()
+    services._requirements.reset()
+
+
+def test_blocked_jobs_stay_queued(clock, queue_config):
+    # The counting test above is only meaningful if the blockers really block.
+    queue_config(limits=Limits(overrides={"project": {"full": 1}}))
+    for blocker in BLOCKERS:
+        blocker(3)
+    worker = register("w1", capacity=50)
+    assert claim(worker, 50) == []
+    assert Job.objects.filter(state=JobState.QUEUED).count() == 5 * 3
