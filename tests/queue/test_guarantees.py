@@ -390,6 +390,31 @@ def test_claim_of_several_returns_them_best_first(clock):
     assert [c.job_id for c in claim(register("w1", capacity=5), 5)] == [high.pk, low.pk]
 
 
+def test_claim_order_holds_across_jobs_with_different_requirements(clock):
+    # Jobs with different requirements are found by separate walks; the
+    # order must still be one global priority-then-age order.
+    old_plain = enqueue(priority=1)
+    clock.advance(1)
+    new_linux = enqueue(priority=1, labels=["linux"])
+    clock.advance(1)
+    urgent_pooled = enqueue(priority=7, pool="build")
+    clock.advance(1)
+    low_docker = enqueue(priority=0, capabilities=["docker"])
+    clock.advance(1)
+    mid_plain = enqueue(priority=4)
+    worker = register("w1", pool="build", labels=["linux"], capabilities=["docker"], capacity=10)
+    expected = [urgent_pooled.pk, mid_plain.pk, old_plain.pk, new_linux.pk, low_docker.pk]
+    assert [claim(worker)[0].job_id for _ in range(5)] == expected
+
+
+def test_claim_of_several_across_requirements_is_best_first(clock):
+    a = enqueue(priority=2, labels=["linux"])
+    b = enqueue(priority=5)
+    c = enqueue(priority=3, labels=["linux"])
+    worker = register("w1", labels=["linux"], capacity=10)
+    assert [x.job_id for x in claim(worker, 10)] == [b.pk, c.pk, a.pk]
+
+
 def test_job_is_not_claimable_before_available_at(clock):
     job = enqueue(retry=services.Retry(max_attempts=2, backoff=10))
     worker = register("w1")
