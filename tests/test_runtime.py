@@ -96,7 +96,7 @@ def stop_runtimes():
 def make_runtime(executor, *, transport=None, capacity=1, outbox=None, worker_id="w1"):
     spec = WorkerSpec(worker_id=worker_id, pool=None, labels=(), capabilities=("apiary.workflow", "runner:shell"), capacity=capacity)
     runtime = WorkerRuntime(
-        transport=transport or FlakyTransport(worker_id=worker_id, poll_interval=0.01),
+        transport=transport or FlakyTransport(worker_id=worker_id),
         spec=spec,
         executor=executor,
         claim_wait=0.0,
@@ -181,7 +181,7 @@ def test_stale_heartbeat_discards_the_result(clock):
 def test_self_fences_when_the_control_plane_is_unreachable_past_the_lease(clock):
     job = enqueue()
     executor = ScriptedExecutor(block=True)
-    transport = FlakyTransport(worker_id="w1", poll_interval=0.01)
+    transport = FlakyTransport(worker_id="w1")
     runtime = make_runtime(executor, transport=transport)
     runtime.claim_once()
     wait_for(executor.started.is_set)
@@ -260,7 +260,7 @@ def test_superseded_session_is_fatal(clock):
 
 def test_finish_is_retried_until_acknowledged(clock):
     job = enqueue()
-    transport = FlakyTransport(worker_id="w1", poll_interval=0.01)
+    transport = FlakyTransport(worker_id="w1")
     transport.finish_failures = 2
     runtime = make_runtime(ScriptedExecutor(), transport=transport)
     runtime.claim_once()
@@ -270,7 +270,7 @@ def test_finish_is_retried_until_acknowledged(clock):
 def test_outbox_resends_a_finish_after_a_worker_restart(clock, tmp_path):
     job = enqueue()
     outbox = LocalDB(tmp_path / "w1.db")
-    transport = FlakyTransport(worker_id="w1", poll_interval=0.01)
+    transport = FlakyTransport(worker_id="w1")
     transport.finish_failures = 10**6  # the finish never gets through before the "crash"
     first = make_runtime(ScriptedExecutor(), transport=transport, outbox=outbox)
     first.claim_once()

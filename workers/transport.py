@@ -8,13 +8,13 @@ SessionSuperseded, NotFound, Unavailable — so the runtime cannot tell them apa
 """
 
 import dataclasses
-import time
 from typing import Protocol
 
 from django.db import close_old_connections, connection
 
 from jobqueue import conf, services
 from jobqueue.exceptions import QueueError
+from jobqueue.longpoll import claim_with_wait
 from jobqueue.services import Claim, Heartbeat
 
 
@@ -69,9 +69,8 @@ class InProcessTransport:
     Each runtime thread has its own Django connection; `close()` drops the
     calling thread's one (job threads call it before they end)."""
 
-    def __init__(self, *, worker_id: str, poll_interval: float = 0.2):
+    def __init__(self, *, worker_id: str):
         self.worker_id = worker_id
-        self.poll_interval = poll_interval
 
     def register(self, spec: WorkerSpec) -> Registration:
         close_old_connections()
@@ -92,15 +91,8 @@ class InProcessTransport:
         return worker.drain_requested
 
     def claim(self, *, session: str, max_jobs: int, wait: float) -> list[Claim]:
-        """Claims, polling for up to `wait` seconds; each poll is its own short
-        transaction, so nothing holds the write lock while waiting."""
-        deadline = time.monotonic() + wait
-        while True:
-            close_old_connections()
-            claims = services.jobs_claim(worker_id=self.worker_id, session=session, max_jobs=max_jobs)
-            if claims or time.monotonic() >= deadline:
-                return claims
-            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+        close_old_connections()
+        return claim_with_wait(worker_id=self.worker_id, session=session, max_jobs=max_jobs, wait=wait)
 
     def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat:
         return services.attempt_heartbeat(attempt_id=attempt_id, token=token)

@@ -7,10 +7,6 @@ returns, errors included. State changes happen only inside the services, one
 short transaction each; an error anywhere before or inside them changes nothing.
 """
 
-import random
-import time
-
-from django.conf import settings
 from django.http import QueryDict
 from drf_spectacular.renderers import OpenApiJsonRenderer2
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -23,6 +19,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobqueue import conf, services
+from jobqueue.longpoll import claim_with_wait
 
 from . import serializers as s
 from .auth import WorkerTokenAuthentication
@@ -31,12 +28,6 @@ from .parsers import ProtocolJSONParser, buffer_body
 from .schema import AUTHENTICATE_HEADER, PROTOCOL_HEADER, responses
 
 PROTOCOL_VERSION = 1
-DEFAULT_POLL_INTERVAL = 0.3  # seconds between claim attempts of a long-poll, before jitter
-
-# Indirections the long-poll tests replace; production uses the real ones.
-_sleep = time.sleep
-_monotonic = time.monotonic
-_jitter = random.Random()
 
 
 class JSONOnly(DefaultContentNegotiation):
@@ -130,25 +121,6 @@ class WorkerHeartbeatView(ProtocolView):
         data = self.validated(s.WorkerHeartbeatSerializer, request)
         worker = services.worker_heartbeat(worker_id=worker_id, **data)
         return Response(s.WorkerHeartbeatResponse({"drain": worker.drain_requested}).data)
-
-
-def poll_interval() -> float:
-    """Seconds between claim attempts while long-polling (settings.APIARY_CLAIM_POLL_INTERVAL)."""
-    return float(getattr(settings, "APIARY_CLAIM_POLL_INTERVAL", DEFAULT_POLL_INTERVAL))
-
-
-def claim_with_wait(*, worker_id: str, session: str, max_jobs: int, wait: float) -> list[services.Claim]:
-    """Claim; with `wait` > 0 and nothing claimable, claim again after short
-    jittered sleeps until something is claimed or `wait` seconds pass. Each
-    claim is its own short transaction: nothing is held while sleeping, so
-    other claimers, finishes and enqueues proceed meanwhile."""
-    deadline = _monotonic() + wait
-    while True:
-        claims = services.jobs_claim(worker_id=worker_id, session=session, max_jobs=max_jobs)
-        remaining = deadline - _monotonic()
-        if claims or remaining <= 0:
-            return claims
-        _sleep(min(remaining, poll_interval() * _jitter.uniform(0.7, 1.5)))
 
 
 class ClaimView(ProtocolView):

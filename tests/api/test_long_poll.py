@@ -6,8 +6,7 @@ import threading
 import pytest
 from django.db import connection
 
-from jobqueue import services
-from jobqueue.api import views
+from jobqueue import longpoll, services
 from tests.factories import enqueue, register
 
 
@@ -33,8 +32,8 @@ class FakeTime:
 @pytest.fixture
 def fake_time(monkeypatch):
     fake = FakeTime()
-    monkeypatch.setattr(views, "_monotonic", fake.monotonic)
-    monkeypatch.setattr(views, "_sleep", fake.sleep)
+    monkeypatch.setattr(longpoll, "_monotonic", fake.monotonic)
+    monkeypatch.setattr(longpoll, "_sleep", fake.sleep)
     return fake
 
 
