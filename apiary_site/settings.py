@@ -11,6 +11,7 @@ decides is where the state lives and which database holds the queue:
 """
 
 import os
+import secrets
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -19,10 +20,38 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 CONFIG_PATH = Path(os.environ.get("APIARY_CONFIG", "apiary.yaml")).resolve()
 STATE_DIR = Path(os.environ.get("APIARY_STATE_DIR", CONFIG_PATH.parent / ".apiary"))
 
-# The secret key signs admin sessions only; workers authenticate with the
-# worker token from apiary.yaml. A stable key per state directory keeps admin
-# logins valid across restarts without a secret in the repository.
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or "apiary-local-" + str(STATE_DIR)
+
+
+def _secret_key() -> str:
+    """The key that signs admin sessions (workers use the worker token instead).
+
+    `$DJANGO_SECRET_KEY`, else a random key kept in `.apiary/secret_key`
+    (mode 0600), made by the first process that needs it: every process of one
+    state directory — the daemon, the listener's gunicorn workers — signs
+    alike, and nothing guessable ever signs a session."""
+    if os.environ.get("DJANGO_SECRET_KEY"):
+        return os.environ["DJANGO_SECRET_KEY"]
+    path = STATE_DIR / "secret_key"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    key = secrets.token_urlsafe(50)
+    if not STATE_DIR.is_dir():  # no state yet: nothing this process signs outlives it
+        return key
+    draft = STATE_DIR / f".secret_key.{os.getpid()}"
+    draft.write_text(key)
+    draft.chmod(0o600)
+    try:
+        os.link(draft, path)  # atomic: of two processes racing here, one key wins
+    except FileExistsError:
+        key = path.read_text().strip()
+    finally:
+        draft.unlink()
+    return key
+
+
+SECRET_KEY = _secret_key()
 DEBUG = os.environ.get("APIARY_DEBUG") == "1"
 ALLOWED_HOSTS = ["*"]  # the listener binds exactly `queue.listen`; TLS and host checks belong to the proxy
 
