@@ -10,6 +10,11 @@ the test ends. Jobs run one shell step that records where it ran in
 may end. The tests read the control plane's SQLite file with plain sqlite3
 (Django's connection belongs to pytest) and wait on conditions with
 deadlines, never on fixed sleeps.
+
+A test may build a control plane of its own: `ControlPlane(root,
+edit_config=…, env=…)` changes the generated apiary.yaml (e.g. a longer lease)
+and the environment of `apiary run` and its commands; with `DATABASE_URL` in
+`env` the helpers read the queue from PostgreSQL (psycopg) instead.
 """
 
 from __future__ import annotations
@@ -167,10 +172,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def utc(text: str | None) -> dt.datetime | None:
-    """A datetime column as SQLite holds it (UTC text)."""
-    if text is None:
-        return None
+def utc(text: str | dt.datetime | None) -> dt.datetime | None:
+    """A datetime column as SQLite holds it (UTC text); PostgreSQL's come as aware datetimes already."""
+    if text is None or isinstance(text, dt.datetime):
+        return text
     return dt.datetime.fromisoformat(text).replace(tzinfo=dt.UTC)
 
 
@@ -208,20 +213,24 @@ class ControlPlane:
     """`apiary run` in the background, plus helpers to run the operations
     commands against the same config and to read its database."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, *, edit_config: Callable[[dict], None] | None = None,
+                 env: dict[str, str] | None = None):
+        """`edit_config` changes the generated config in place before it is
+        written; `env` is added to the environment of `apiary run` and of
+        every `cli()` command (not of worker processes)."""
         self.root = root
+        self.env = dict(env or {})
+        self.database_url = self.env.get("DATABASE_URL")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.marks, self.gates = root / "marks", root / "gates"
         for folder in (self.marks, self.gates, root / "inbox", root / "pinned", root / "elsewhere"):
             folder.mkdir(parents=True, exist_ok=True)
         self.config = root / "apiary.yaml"
-        self.config.write_text(
-            yaml.safe_dump(
-                project_config(listen=f"127.0.0.1:{self.port}", token=CANARY, marks=self.marks, gates=self.gates),
-                sort_keys=False,
-            )
-        )
+        config = project_config(listen=f"127.0.0.1:{self.port}", token=CANARY, marks=self.marks, gates=self.gates)
+        if edit_config:
+            edit_config(config)
+        self.config.write_text(yaml.safe_dump(config, sort_keys=False))
         self.db_path = root / ".apiary" / "apiary.db"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -239,7 +248,7 @@ class ControlPlane:
         self.proc = subprocess.Popen(
             command("run", "--config", str(self.config)),
             cwd=self.root,
-            env=clean_env(),
+            env=clean_env(**self.env),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -298,8 +307,8 @@ class ControlPlane:
             check: bool = True) -> subprocess.CompletedProcess:
         argv = command(*args, *(("--config", str(self.config)) if config else ()))
         result = subprocess.run(
-            argv, cwd=cwd or self.root, env=clean_env(**(env or {})), capture_output=True, text=True, timeout=120,
-            check=False,
+            argv, cwd=cwd or self.root, env=clean_env(**{**self.env, **(env or {})}), capture_output=True, text=True,
+            timeout=120, check=False,
         )
         self.transcript += [result.stdout, result.stderr]
         if check and result.returncode != 0:
@@ -348,15 +357,29 @@ class ControlPlane:
     # ------------------------------------------------------------- database
 
     def rows(self, statement: str, *params: Any) -> list[sqlite3.Row]:
+        if self.database_url:
+            return self._pg_rows(statement, *params)
         if not self.db_path.exists():
             raise sqlite3.OperationalError("no database yet")
         with contextlib.closing(sqlite3.connect(self.db_path, timeout=10)) as conn:
             conn.row_factory = sqlite3.Row
             return conn.execute(statement, params).fetchall()
 
+    def _pg_rows(self, statement: str, *params: Any) -> list[dict]:
+        """The same statements on PostgreSQL: `?` placeholders become `%s`; rows are dicts."""
+        import psycopg  # only the PostgreSQL tests need it
+        from psycopg.rows import dict_row
+
+        with psycopg.connect(self.database_url, row_factory=dict_row, connect_timeout=10) as conn:
+            if not params:  # no parameters: psycopg leaves a literal % alone
+                return conn.execute(statement).fetchall()
+            return conn.execute(statement.replace("%", "%%").replace("?", "%s"), params).fetchall()
+
     def value(self, statement: str, *params: Any) -> Any:
         rows = self.rows(statement, *params)
-        return rows[0][0] if rows else None
+        if not rows:
+            return None
+        return next(iter(rows[0].values())) if isinstance(rows[0], dict) else rows[0][0]
 
     def jobs(self, title: str) -> list[sqlite3.Row]:
         return self.rows(
