@@ -20,6 +20,7 @@ import random
 import re
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 
@@ -51,6 +52,8 @@ WORKER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 OUTCOMES = (AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.CANCELLED)
 BASE_CAPABILITY = "apiary.workflow"
 CANDIDATE_SPARES = 8  # PostgreSQL: extra candidates per claim, for rows other claimers hold locked
+PIN_LOCK_SPACE = 0x41504941  # "APIA": the advisory-lock key space of affinity pins
+UNION_TERMS = 400  # classes walked per candidate statement (SQLite's compound SELECT limit is 500)
 
 _jitter = random.Random()
 
@@ -244,12 +247,17 @@ class Claim:
 
 
 class _RequirementCache:
-    """Requirement sets (job classes) are immutable, so each process keeps the
-    ones it has seen and fetches only newer ids. On PostgreSQL ids can commit
-    out of order; a set this cache missed only makes its jobs invisible to
-    this process until `reset()` (called when a claim finds nothing) picks it
-    up. Shared by the threads of a process (gthread listener, the daemon's
-    worker): the lock guards the dict, never a query."""
+    """Requirement sets (job classes) are immutable and never deleted, so each
+    process keeps the ones it has seen and asks only for what it has not.
+
+    On PostgreSQL ids are handed out at insert and become visible at commit,
+    so a set can appear *below* the highest id already seen. Ids skipped that
+    way are remembered as gaps and asked for again on every call until they
+    show up, or for GAP_SECONDS (a rolled-back insert leaves a gap for good).
+    Shared by the threads of a process (gthread listener, the daemon's worker):
+    the lock guards the state, never a query."""
+
+    GAP_SECONDS = 300.0
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -259,16 +267,32 @@ class _RequirementCache:
         with self.lock:
             self.sets: dict[int, tuple[str | None, frozenset, frozenset, dict[str, str | None]]] = {}
             self.last_id = 0
+            self.gaps: dict[int, float] = {}  # id → monotonic time it was first missed
 
     def eligible(self, cursor, pool: str | None, labels: set[str], capabilities: set[str]) -> list[tuple[int, dict]]:
         """[(set id, its limit keys by dimension)] for the sets this worker satisfies."""
-        cursor.execute(sql.REQUIREMENT_SETS, [self.last_id])
+        with self.lock:
+            last_id, gaps = self.last_id, sorted(self.gaps)
+        statement, params = sql.REQUIREMENT_SETS, [last_id]
+        if gaps:
+            statement = statement.replace("WHERE id > %s", f"WHERE id > %s OR id IN ({', '.join(['%s'] * len(gaps))})")
+            params += gaps
+        cursor.execute(statement, params)
         rows = cursor.fetchall()
+        now = time.monotonic()
         with self.lock:
             for pk, need_pool, need_labels, need_caps, project, source, agent, runner in rows:
                 keys = {"project": project, "source": source, "agent": agent, "runner": runner, "pool": need_pool}
                 self.sets[pk] = (need_pool, frozenset(sql.from_js(need_labels)), frozenset(sql.from_js(need_caps)), keys)
-                self.last_id = max(self.last_id, pk)
+                self.gaps.pop(pk, None)
+            newest = max((row[0] for row in rows), default=0)
+            for missing in range(self.last_id + 1, newest):
+                if missing not in self.sets:
+                    self.gaps.setdefault(missing, now)
+            self.last_id = max(self.last_id, newest)
+            for pk, since in list(self.gaps.items()):
+                if now - since > self.GAP_SECONDS:
+                    del self.gaps[pk]
             known = list(self.sets.items())
         return [
             (pk, keys)
@@ -314,7 +338,16 @@ def _lock_limit_keys(cursor, keys: list[tuple[str, str, int]]) -> bool:
 
 
 def _pin(task_id: int, worker_id: str, now: dt.datetime) -> bool:
-    """First claim of an affinity task pins it to the claimer; True when pinned to us."""
+    """First claim of an affinity task pins it to the claimer; True when pinned to us.
+
+    On PostgreSQL a concurrent claimer pinning the same task would make the
+    insert wait for its commit, and two claims pinning two tasks in opposite
+    orders would deadlock: a try-lock per task passes the job over instead."""
+    if _postgres():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", [PIN_LOCK_SPACE, task_id % 2**31])
+            if not cursor.fetchone()[0]:
+                return False
     Affinity.objects.bulk_create([Affinity(task_id=task_id, worker_id=worker_id, pinned_at=now)], ignore_conflicts=True)
     return Affinity.objects.filter(task_id=task_id).values_list("worker_id", flat=True).first() == worker_id
 
@@ -339,7 +372,13 @@ def jobs_claim(*, worker_id: str, session: str, max_jobs: int = 1, clock: Clock 
     postgres = _postgres()
     n_ow = sql.ts(now)
     with connection.cursor() as cursor:
-        row = sql.one(cursor, sql.WORKER_FOR_CLAIM + (" FOR UPDATE OF w" if postgres else ""), [n_ow, worker_id])
+        if postgres:
+            # Serialise claims of one worker, then count its attempts in a new
+            # statement: READ COMMITTED gives each statement a fresh snapshot,
+            # but a sub-select in the locking statement would still see the
+            # world from before it waited for the lock.
+            cursor.execute("SELECT 1 FROM workers_worker WHERE worker_id = %s FOR UPDATE", [worker_id])
+        row = sql.one(cursor, sql.WORKER_FOR_CLAIM, [n_ow, worker_id])
         if row is None:
             raise NotFound(f"worker {worker_id!r} is not registered", worker_id=worker_id)
         w_session, pool, labels, capabilities, capacity, draining, ready, drain_requested, busy = row
@@ -383,8 +422,6 @@ def jobs_claim(*, worker_id: str, session: str, max_jobs: int = 1, clock: Clock 
                     counts[(d, k)] += 1
             if len(batch) < want or len(claims) == wanted:
                 break
-        if not claims:
-            _requirements.reset()
         return claims
 
 
@@ -415,24 +452,29 @@ def _candidates(cursor, classes: list[int], worker_id: str, n_ow, passed_over: s
     postgres = _postgres()
     walk_limit = want + (CANDIDATE_SPARES if postgres else 0)
     skipped = sorted(passed_over)
-    parts, params = [], []
-    for i, pk in enumerate(classes):
-        parts.append(f"SELECT * FROM ({walk}) AS c{i}")
-        params += [pk, n_ow, worker_id, *skipped, walk_limit]
-    cursor.execute(
-        " UNION ALL ".join(parts) + " ORDER BY priority DESC, available_at, id LIMIT %s", [*params, walk_limit]
-    )
-    ids = [row[0] for row in cursor.fetchall()]
+    found: list[tuple] = []
+    # SQLite allows at most 500 terms in one compound SELECT: walk the classes in chunks.
+    for first in range(0, len(classes), UNION_TERMS):
+        parts, params = [], []
+        for i, pk in enumerate(classes[first : first + UNION_TERMS]):
+            parts.append(f"SELECT * FROM ({walk}) AS c{i}")
+            params += [pk, n_ow, worker_id, *skipped, walk_limit]
+        cursor.execute(
+            " UNION ALL ".join(parts) + " ORDER BY priority DESC, available_at, id LIMIT %s", [*params, walk_limit]
+        )
+        found += cursor.fetchall()
+    found.sort(key=lambda row: (-row[1], row[2], row[0]))
+    ids = [row[0] for row in found[:walk_limit]]
     if not ids:
         return []
     statement = (
         f"SELECT {sql.CANDIDATE_COLUMNS} FROM queue_job j JOIN workflows_task t ON t.id = j.task_id"
-        f" WHERE j.state = 'queued' AND j.id IN ({', '.join(['%s'] * len(ids))})"
+        f" WHERE j.state = 'queued' AND j.available_at <= %s AND j.id IN ({', '.join(['%s'] * len(ids))})"
         " ORDER BY j.priority DESC, j.available_at, j.id LIMIT %s"
     )
     if postgres:
         statement += " FOR UPDATE OF j SKIP LOCKED"  # the LIMIT counts only rows it could lock
-    cursor.execute(statement, [*ids, want])
+    cursor.execute(statement, [n_ow, *ids, want])
     names = ("id", "attempt_count", "workflow", "instance_id", "agent", "runner", "project", "source", "pool")
     names += ("affinity", "task_id", "t_source", "item_key", "generation", "title", "body", "payload")
     return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
@@ -498,6 +540,7 @@ class _Fenced:
     instance_id: int
     task_id: int
     generation: int
+    superseded: bool  # the worker id has registered again since this attempt's claim
 
 
 def _fenced(cursor, attempt_id: int, token: str, n_ow) -> _Fenced:
@@ -512,6 +555,11 @@ def _fenced(cursor, attempt_id: int, token: str, n_ow) -> _Fenced:
 
 
 def _require_live(attempt_id: int, a: _Fenced) -> None:
+    if a.state == AttemptState.EXPIRED and a.superseded:  # PROTOCOL: the old session's calls answer so
+        raise SessionSuperseded(
+            f"worker {a.worker_id!r} was registered again by a newer process; attempt {attempt_id} was expired",
+            worker_id=a.worker_id,
+        )
     if a.state != AttemptState.ACTIVE:
         raise StaleAttempt(f"attempt {attempt_id} already ended ({a.state})", attempt_id=attempt_id)
     if a.current_attempt_id != attempt_id:
@@ -540,7 +588,7 @@ def attempt_heartbeat(*, attempt_id: int, token: str, clock: Clock | None = None
 
 def _backoff(base: float, cap: float, failures: int) -> float:
     """Exponential, capped, with equal jitter so retries of many jobs spread out."""
-    delay = min(cap, base * 2 ** (failures - 1))
+    delay = min(cap, base * 2 ** min(failures - 1, 64))  # 2**64 × any base is past any cap
     return delay / 2 + _jitter.uniform(0, delay / 2)
 
 
@@ -562,7 +610,7 @@ def attempt_finish(
         raise InvalidRequest(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}", field="outcome")
     now = _now(clock)
     n_ow = sql.ts(now)
-    summary, error = summary or {}, error or ""
+    summary, error = summary or {}, sql.clean(error or "")
     with connection.cursor() as cursor:
         a = _fenced(cursor, attempt_id, token, n_ow)
         if a.state == outcome and a.job_state_after:  # the same finish again
@@ -639,10 +687,11 @@ def _expire(attempt: Attempt, now: dt.datetime, why: str) -> str:
     _end_attempt(attempt, AttemptState.EXPIRED, now, error=why)
     if job.current_attempt_id != attempt.pk or job.state != JobState.LEASED:
         return job.state
+    expiries = job.attempts.filter(state=AttemptState.EXPIRED).count()  # this one included
     if job.cancel_requested_at is not None:
         _move_job(job, JobState.CANCELLED, finished_at=now)
-    elif job.attempt_count >= job.max_attempts:
-        reason = f"{why} on attempt {attempt.number}; max_attempts ({job.max_attempts}) reached"
+    elif expiries >= job.max_attempts:
+        reason = f"{why}: lease expired {expiries} times; max_attempts ({job.max_attempts}) reached"
         _move_job(job, JobState.FAILED, finished_at=now, reason=reason)
     else:
         _move_job(job, JobState.QUEUED, available_at=now, current_attempt=None)
@@ -652,17 +701,25 @@ def _expire(attempt: Attempt, now: dt.datetime, why: str) -> str:
     return job.state
 
 
-@_service
-def leases_expire(*, clock: Clock | None = None, batch: int = 500) -> list[Attempt]:
-    """Expire attempts whose lease has passed; returns them (state `expired`)."""
-    now = _now(clock)
+def _expire_passed(now: dt.datetime, batch: int, why: str) -> list[Attempt]:
+    """Expire up to `batch` attempts whose lease has passed. On PostgreSQL the
+    attempt and job rows are locked first (a cancel, a finish or a worker
+    registering at the same moment is either done before or waits), and rows
+    another transaction holds are left for the next round."""
     qs = Attempt.objects.select_related("job").filter(state=AttemptState.ACTIVE, lease_expires_at__lte=now)
     if _postgres():
         qs = qs.select_for_update(skip_locked=True, of=("self", "job"))
     expired = list(qs.order_by("lease_expires_at")[:batch])
     for attempt in expired:
-        _expire(attempt, now, f"lease expired at {attempt.lease_expires_at.isoformat()} on worker {attempt.worker_id}")
+        where = f"on worker {attempt.worker_id}" + (f" {why}" if why else "")
+        _expire(attempt, now, f"lease expired at {attempt.lease_expires_at.isoformat()} {where}")
     return expired
+
+
+@_service
+def leases_expire(*, clock: Clock | None = None, batch: int = 500) -> list[Attempt]:
+    """Expire attempts whose lease has passed; returns them (state `expired`)."""
+    return _expire_passed(_now(clock), batch, "")
 
 
 # --------------------------------------------------------------------------- affinity
@@ -774,15 +831,8 @@ def reconcile(*, clock: Clock | None = None) -> Reconciled:
     down, and make every terminal job's instance and task agree with it."""
     now = _now(clock)
     expired = 0
-    while True:
-        batch = list(
-            Attempt.objects.select_related("job").filter(state=AttemptState.ACTIVE, lease_expires_at__lte=now)[:500]
-        )
-        for attempt in batch:
-            _expire(attempt, now, f"lease expired at {attempt.lease_expires_at.isoformat()} while the control plane was down")
+    while batch := _expire_passed(now, 500, "while the control plane was down"):
         expired += len(batch)
-        if len(batch) < 500:
-            break
     instances = tasks = 0
     drifted = Job.objects.filter(state__in=TERMINAL_JOB_STATES).exclude(instance__state=F("state"))
     for job in drifted.select_related("task"):

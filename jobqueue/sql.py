@@ -9,6 +9,7 @@ appended by the callers. Every other service uses the ORM.
 """
 
 import json
+import re
 
 from django.db import connection
 
@@ -49,8 +50,9 @@ INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VAL
 FENCED_ATTEMPT = """
 SELECT a.token_hash, a.state, a.lease_expires_at, a.lease_expires_at > %s, a.job_state, a.number, a.worker_id,
        j.id, j.state, j.current_attempt_id, j.cancel_requested_at IS NOT NULL, j.retry_max_attempts,
-       j.retry_backoff, j.retry_backoff_max, j.instance_id, j.task_id, j.generation
-  FROM queue_attempt a JOIN queue_job j ON j.id = a.job_id
+       j.retry_backoff, j.retry_backoff_max, j.instance_id, j.task_id, j.generation,
+       a.session <> w.session
+  FROM queue_attempt a JOIN queue_job j ON j.id = a.job_id JOIN workers_worker w ON w.worker_id = a.worker_id
  WHERE a.id = %s
 """
 
@@ -82,8 +84,23 @@ def ts(value):
     return connection.ops.adapt_datetimefield_value(value)
 
 
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def clean(value):
+    """Strings as both backends store them: NUL (refused by PostgreSQL text and
+    jsonb) and lone surrogates (not encodable as UTF-8) become U+FFFD."""
+    if isinstance(value, str):
+        return _UNSTORABLE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {clean(k): clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean(v) for v in value]
+    return value
+
+
 def js(value) -> str:
-    return json.dumps(value, separators=(",", ":"))
+    return json.dumps(clean(value), separators=(",", ":"))
 
 
 def from_js(value):

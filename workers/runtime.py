@@ -23,7 +23,7 @@ import random
 import threading
 import time
 
-from jobqueue.exceptions import NotFound, SessionSuperseded, StaleAttempt, Unavailable
+from jobqueue.exceptions import NotFound, QueueError, SessionSuperseded, StaleAttempt, Unavailable
 from jobqueue.services import Claim
 
 from .executor import Executor, Outcome
@@ -352,6 +352,10 @@ class WorkerRuntime:
             except SessionSuperseded as exc:
                 self._superseded(exc)
                 return
+            except Unauthorized as exc:
+                self.fatal = f"the control plane refused the worker token ({exc.message})"
+                self.stopped.set()
+                return
             except RETRYABLE as exc:
                 if job.discard:  # self-fenced while retrying: the outbox resends after a restart
                     return
@@ -359,6 +363,10 @@ class WorkerRuntime:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0) * random.uniform(0.8, 1.2)
                 continue
+            except QueueError as exc:  # refused as malformed: resending cannot help; the lease will run out
+                log.error("finish of job %s attempt %s refused (%s): %s", claim.job_id, claim.attempt_id, exc.code, exc.message)
+                self._acknowledge(claim, f"refused: {exc.code}")
+                return
             self._acknowledge(claim, state)
             self.finished_count += 1
             log.info(

@@ -314,6 +314,12 @@ def _group_states(pgid: int) -> list[str] | None:
     return states
 
 
+def printable(data: bytes) -> str:
+    """Output as text that every store accepts: invalid UTF-8 and NUL (which
+    PostgreSQL text and JSON refuse) become U+FFFD."""
+    return data.decode("utf-8", errors="replace").replace("\x00", "\ufffd")
+
+
 class _Capture:
     """Keeps stdout (capped) for the step output and a tail of everything."""
 
@@ -333,11 +339,11 @@ class _Capture:
 
     def output(self) -> str:
         with self._lock:
-            return self._stdout.decode("utf-8", errors="replace")
+            return printable(self._stdout)
 
     def tail(self) -> str:
         with self._lock:
-            return self._tail.decode("utf-8", errors="replace")
+            return printable(self._tail)
 
 
 def _pump(proc: subprocess.Popen, log, capture: _Capture, done: threading.Event) -> None:

@@ -685,7 +685,9 @@ def test_register_again_expires_old_sessions_attempts_and_supersedes_its_calls(c
         claim(old)
     with pytest.raises(SessionSuperseded):
         services.worker_heartbeat(worker_id="w1", session=old.session)
-    _assert_stale_and_unchanged(lambda: heartbeat(c), lambda: finish(c))
+    for call in (lambda: heartbeat(c), lambda: finish(c)):  # PROTOCOL: the old session's calls are superseded
+        with pytest.raises(SessionSuperseded):
+            call()
     assert snapshot() == before
     [again] = claim(new)
     assert (again.job_id, again.attempt_number) == (job.pk, 2)

@@ -1,0 +1,160 @@
+"""Races between two transactions under PostgreSQL's READ COMMITTED, each
+staged deterministically: one thread is stopped inside a service while the
+other runs. Found in review; each test failed before its fix."""
+
+import pytest
+from django.db import connection
+
+from jobqueue import services
+from jobqueue.conf import Limits
+from jobqueue.models import Attempt, Job
+from tests.factories import claim, enqueue, make_task, register
+from tests.queue.racing import lock_waiters, pause_in, run_thread, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def _pg():
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only")
+
+
+def test_requirement_set_committed_out_of_id_order_is_never_claimable(clock, monkeypatch):
+    """Set N commits after set N+1 was cached: a worker that matches only set N
+    got [] forever: the requirement cache only asked for ids above the highest seen."""
+    slow_task, fast_task = make_task(), make_task()
+    paused, release = pause_in(monkeypatch, services, "_event", "slow")
+    t, out = run_thread(lambda: services.job_enqueue(task=slow_task, workflow="triage", agent="a", runner="shell",
+                                                     project="p", labels=["gpu"]), "slow")
+    wait_for(paused.is_set)                      # set N inserted, not committed
+    enqueue(fast_task, labels=["cpu"])           # set N+1, committed
+    other = register("cpu-worker", labels=["cpu"])
+    assert len(claim(other)) == 1                # cache: last_id = N+1
+    release.set()
+    t.join(20)
+    gpu_job, _ = out["value"]
+    gpu = register("gpu-worker", labels=["gpu"])
+    for _ in range(5):
+        got = claim(gpu)
+        if got:
+            break
+    assert [c.job_id for c in got] == [gpu_job.pk]
+
+
+def test_concurrent_claims_of_one_worker_exceed_its_capacity(clock, monkeypatch):
+    """The busy count was a sub-select of the `FOR UPDATE OF w` statement,
+    computed from the snapshot taken before waiting for the worker row lock."""
+    enqueue()
+    enqueue()
+    w = register("w1", capacity=1)
+    paused, release = pause_in(monkeypatch, services, "_lease", "first", after=True)
+    t1, out1 = run_thread(lambda: claim(w), "first")
+    wait_for(paused.is_set)                      # first claim leased 1 job, holds the worker row
+    before = lock_waiters()
+    t2, out2 = run_thread(lambda: claim(w), "second")
+    wait_for(lambda: lock_waiters() > before)    # second claim waits on the worker row
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert "error" not in out1 and "error" not in out2, (out1, out2)
+    active = Attempt.objects.filter(worker_id="w1", state="active").count()
+    assert active <= 1, f"capacity 1, {active} active attempts ({len(out1['value'])} + {len(out2['value'])})"
+
+
+def test_reconcile_racing_worker_register_crashes(clock, monkeypatch):
+    """reconcile() read attempts without locking; a re-registration that
+    expired the same attempt first made reconcile's guarded update hit 0 rows."""
+    enqueue()
+    w = register("w1")
+    [c] = claim(w)
+    clock.advance(31)                            # lease ran out: reconcile will expire it
+    paused, release = pause_in(monkeypatch, services, "_expire", "register")
+    t1, out1 = run_thread(lambda: register("w1"), "register")
+    wait_for(paused.is_set)                      # register holds attempt + job row locks
+    before = lock_waiters()
+    t2, out2 = run_thread(lambda: services.reconcile(), "reconcile")
+    wait_for(lambda: lock_waiters() > before or not t2.is_alive())  # reconcile skips rows others hold
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert "error" not in out1, out1
+    assert "error" not in out2, repr(out2["error"])
+
+
+def test_reconcile_loses_a_cancel_recorded_while_it_runs(clock, monkeypatch):
+    """reconcile() expired from an unlocked read of the job: a cancel committed
+    in between was overwritten by leased -> queued, the job could no longer be
+    cancelled (its cancel was already recorded) and it ran again. Now the
+    cancel waits for reconcile's row lock and then cancels the requeued job."""
+    job = enqueue()
+    w = register("w1")
+    claim(w)
+    clock.advance(31)
+    paused, release = pause_in(monkeypatch, services, "_expire", "reconcile")
+    t1, out1 = run_thread(lambda: services.reconcile(), "reconcile")
+    wait_for(paused.is_set)  # reconcile holds the attempt and job rows
+    before = lock_waiters()
+    t2, out2 = run_thread(lambda: services.job_cancel(job_id=job.pk), "cancel")
+    wait_for(lambda: lock_waiters() > before or not t2.is_alive())
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert "error" not in out1 and "error" not in out2, (out1, out2)
+    job.refresh_from_db()
+    assert job.state == "cancelled", (job.state, job.cancel_requested_at)
+    assert claim(register("w2")) == []
+
+
+def test_enqueue_dedup_race(clock, monkeypatch):
+    task = make_task()
+    paused, release = pause_in(monkeypatch, services, "_event", "slow")
+    kw = dict(task=task, workflow="triage", agent="a", runner="shell", project="p")
+    t1, out1 = run_thread(lambda: services.job_enqueue(**kw), "slow")
+    wait_for(paused.is_set)
+    before = lock_waiters()
+    t2, out2 = run_thread(lambda: services.job_enqueue(**kw), "fast")
+    wait_for(lambda: lock_waiters() > before)
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert "error" not in out1 and "error" not in out2, (out1, out2)
+    assert out1["value"][1] is True and out2["value"][1] is False and out1["value"][0].pk == out2["value"][0].pk
+    assert Job.objects.count() == 1
+
+
+def test_affinity_pin_race(clock, monkeypatch):
+    task = make_task()
+    enqueue(task, workflow="a", affinity=True)
+    enqueue(task, workflow="b", affinity=True)
+    wa, wb = register("wa"), register("wb")
+    paused, release = pause_in(monkeypatch, services, "_pin", "A", after=True)
+    t1, out1 = run_thread(lambda: claim(wa), "A")
+    wait_for(paused.is_set)
+    before = lock_waiters()
+    t2, out2 = run_thread(lambda: claim(wb), "B")
+    wait_for(lambda: lock_waiters() > before or not t2.is_alive())
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert "error" not in out1 and "error" not in out2, (out1, out2)
+    assert len(out1["value"]) == 1 and out2["value"] == [], (out1, out2)
+    assert set(Attempt.objects.values_list("worker_id", flat=True)) == {"wa"}
+
+
+def test_project_limit_race(clock, monkeypatch, queue_config):
+    queue_config(limits=Limits(overrides={"project": {"demo": 1}}))
+    enqueue()
+    enqueue(labels=["x"])
+    wa, wb = register("wa"), register("wb", labels=["x"])
+    paused, release = pause_in(monkeypatch, services, "_lease", "A", after=True)
+    t1, out1 = run_thread(lambda: claim(wa), "A")
+    wait_for(paused.is_set)
+    t2, out2 = run_thread(lambda: claim(wb), "B")
+    t2.join(5)
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert "error" not in out1 and "error" not in out2, (out1, out2)
+    assert claim(wb) == []
+    assert Attempt.objects.filter(state="active").count() == 1
