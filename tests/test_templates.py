@@ -91,3 +91,41 @@ def test_quotes_and_comments_before_a_placeholder_are_tracked(tmp_path):
 
 def test_here_string_is_not_a_here_document():
     assert render("cat <<< {{ task.title }}", {"task": {"title": "a b"}}, shell=True) == "cat <<< 'a b'"
+
+
+# Inside arithmetic the expression is expanded as if double-quoted: single quotes are literal
+# characters there, so a quoted `$(…)` still runs. Backquotes re-parse their text, and a
+# backquote in the value would end them. Each template runs with sh after rendering (when it
+# renders at all) so a missed case shows up as a created file, not only as a missing error.
+ARITHMETIC_AND_BACKQUOTES = [
+    "echo $(( {{ task.title }} + 1 ))",
+    "echo $((1+{{ task.title }}))",
+    "echo $(( (2 * ({{ task.title }})) ))",
+    "echo $(( $(echo 1) + {{ task.title }} ))",
+    "echo $[ {{ task.title }} + 1 ]",
+    "(( {{ task.title }} > 1 )) && echo big",
+    "echo `echo {{ task.title }}`",
+    "echo `echo x` `printf %s {{ task.title }}`",
+]
+
+
+@pytest.mark.parametrize("template", ARITHMETIC_AND_BACKQUOTES)
+@pytest.mark.parametrize("title", ["$(touch pwned)", "`; touch pwned; `", "a[$(touch pwned)]"])
+def test_placeholders_inside_arithmetic_or_backquotes_are_rejected(tmp_path, template, title):
+    try:
+        command = render(template, {"task": {"title": title}}, shell=True)
+    except TemplateError as exc:
+        assert "arithmetic" in str(exc) or "backquotes" in str(exc)
+    else:
+        subprocess.run(["sh", "-c", command], cwd=tmp_path, capture_output=True)
+        subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True)
+        raise AssertionError(f"rendered {command!r}; ran code: {(tmp_path / 'pwned').exists()}")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_placeholder_after_closed_arithmetic_and_backquotes_is_allowed(tmp_path):
+    template = 'echo $(( (1 + 2) * 3 )) $[4] `echo 5` "$((6))" {{ task.title }}'
+    command = render(template, {"task": {"title": "$(touch pwned)"}}, shell=True)
+    out = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert out == "9 4 5 6 $(touch pwned)\n"
+    assert not (tmp_path / "pwned").exists()

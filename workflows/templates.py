@@ -13,6 +13,13 @@ With `shell=True` every substituted value is `shlex.quote`d, so task text is
 always one shell word. For that to hold the placeholder must stand outside
 any quotes in the command: `echo "{{ task.title }}"` would put the quoted
 value inside double quotes, where `$(…)` still runs, so it is rejected.
+So is a placeholder inside arithmetic (`$(( … ))`, `$[ … ]`, bash's `(( … ))`),
+whose expression is expanded as if double-quoted — single quotes there are
+literal characters and a quoted `$(…)` runs — and inside backquotes, which
+re-parse their text so a backquote in the value would end them. (A value is
+one shell word; bash still evaluates a word as arithmetic in `let`,
+`[[ … -eq … ]]` and array subscripts, where `a[$(cmd)]` runs `cmd` whether it
+came from a placeholder or a variable: check such values are numbers first.)
 """
 
 import json
@@ -40,10 +47,8 @@ def render(template: str, context: Mapping[str, Any], *, shell: bool = False) ->
             quote_state.feed(literal)
             problem = quote_state.problem()
             if problem:
-                raise TemplateError(
-                    f"placeholder {{{{ {match.group(1)} }}}} is {problem} in a shell command; "
-                    "write it unquoted — its value is shell-quoted for you"
-                )
+                where, advice = problem
+                raise TemplateError(f"placeholder {{{{ {match.group(1)} }}}} is {where} in a shell command; {advice}")
         text = _to_text(_lookup(match.group(1), context))
         out.append(shlex.quote(text) if shell else text)
         position = match.end()
@@ -80,12 +85,22 @@ def _to_text(value: Any) -> str:
     return str(value)
 
 
+_UNQUOTE = "write it unquoted — its value is shell-quoted for you"
+_VIA_VARIABLE = (
+    "quoting cannot protect a value there; assign it to a variable outside "
+    "(n={{ … }}) and check it is a number before using it"
+)
+
+
 class _QuoteState:
-    """Tracks whether the shell text seen so far leaves us inside '…' or "…".
+    """Tracks whether the shell text seen so far leaves us inside '…' or "…",
+    arithmetic or backquotes.
 
     Enough of POSIX sh lexing to catch a placeholder wrapped in quotes:
     single quotes, double quotes, backslash escapes outside single quotes,
-    comments, and here-documents (`<<`, not the here-string `<<<`).
+    comments, here-documents (`<<`, not the here-string `<<<`), arithmetic
+    (`$((`, bash's `((` and `$[`, by counting brackets until they close) and
+    backquotes.
     """
 
     def __init__(self) -> None:
@@ -95,21 +110,31 @@ class _QuoteState:
         self.heredoc = False
         self._comment = False
         self._previous = "\n"
+        self._recent = ""  # the last two characters outside single quotes and escapes
+        self._parens = 0  # open '(' of an arithmetic $(( … )) or (( … )), 0 outside
+        self._brackets = 0  # open '[' of a $[ … ], 0 outside
+        self._backquoted = False
 
-    def problem(self) -> str | None:
-        """Why a quoted word may not start here, or None when it may."""
+    def problem(self) -> tuple[str, str] | None:
+        """(where, advice) when a quoted word may not start here, or None when it may."""
         if self.inside:
-            return f"inside {self.inside} quotes"
+            return f"inside {self.inside} quotes", _UNQUOTE
         if self._comment:
             # In a comment quotes mean nothing and a newline in the value would end the comment.
-            return "inside a comment"
+            return "inside a comment", _UNQUOTE
         if self._escaped:
             # `\{{ x }}` would escape the opening quote of the value and unquote the rest.
-            return "preceded by a backslash"
+            return "preceded by a backslash", _UNQUOTE
         if self.heredoc or self._angle_run == 2:
             # Inside a here-document quotes are plain text and `$(…)` runs, so quoting cannot
             # protect a value; we cannot tell where the document ends, so refuse after any `<<`.
-            return "after a here-document (<<); pass task text through $APIARY_TASK_* variables"
+            return "after a here-document (<<)", "pass task text through $APIARY_TASK_* variables"
+        if self._parens or self._brackets:
+            # The expression is expanded as if double-quoted: '$(cmd)' runs cmd.
+            return "inside arithmetic $(( … )) / (( … )) / $[ … ]", _VIA_VARIABLE
+        if self._backquoted:
+            # The text between backquotes is parsed again; a backquote in the value ends them.
+            return "inside backquotes `…`", "use $( … ) instead of backquotes, and write the placeholder unquoted"
         return None
 
     def feed(self, text: str) -> None:
@@ -128,6 +153,10 @@ class _QuoteState:
             if self._angle_run == 2:
                 self.heredoc = True
             self._angle_run = 0
+            if self.inside == "single" or self._escaped:
+                self._recent = ""
+            else:
+                self._track_brackets(char)
             if self._escaped:
                 self._escaped = False
             elif self.inside == "single":
@@ -135,6 +164,8 @@ class _QuoteState:
                     self.inside = None
             elif char == "\\":
                 self._escaped = True
+            elif char == "`":
+                self._backquoted = not self._backquoted
             elif self.inside == "double":
                 if char == '"':
                     self.inside = None
@@ -142,3 +173,16 @@ class _QuoteState:
                 self.inside = "single"
             elif char == '"':
                 self.inside = "double"
+
+    def _track_brackets(self, char: str) -> None:
+        """Arithmetic opens with `((` (also the tail of `$((`) or `$[` and lasts
+        until its brackets balance; brackets count inside it only."""
+        recent, self._recent = self._recent, (self._recent + char)[-2:]
+        if self._parens:
+            self._parens += {"(": 1, ")": -1}.get(char, 0)
+        elif self._brackets:
+            self._brackets += {"[": 1, "]": -1}.get(char, 0)
+        elif char == "(" and recent.endswith("(") and (self.inside is None or recent == "$("):
+            self._parens = 2  # inside "…" only `$((` opens arithmetic; `((` there is text
+        elif char == "[" and recent.endswith("$"):
+            self._brackets = 1
