@@ -17,7 +17,7 @@ from tests.factories import enqueue
 from workers.executor import Outcome
 from workers.localdb import LocalDB
 from workers.runtime import WorkerRuntime
-from workers.transport import InProcessTransport, TransportError, WorkerSpec
+from workers.transport import InProcessTransport, TransportError, Unauthorized, WorkerSpec
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -286,3 +286,152 @@ def test_outbox_resends_a_finish_after_a_worker_restart(clock, tmp_path):
     assert outbox.pending() == []
     with pytest.raises(StaleAttempt):  # the resent token is spent for good afterwards
         services.attempt_heartbeat(attempt_id=entry["attempt_id"], token=entry["token"])
+
+
+# ----------------------------------------------------------------------------- found in review
+
+
+class SlowClaimTransport(FlakyTransport):
+    """A long-poll that answers late: the worker's clock moves while it waits."""
+
+    def __init__(self, clock_to_move, seconds, **kwargs):
+        super().__init__(**kwargs)
+        self.clock_to_move, self.seconds = clock_to_move, seconds
+        self.heartbeats = 0
+
+    def claim(self, **kwargs):
+        self.clock_to_move.now += self.seconds
+        return super().claim(**kwargs)
+
+    def heartbeat(self, **kwargs):
+        self.heartbeats += 1
+        return super().heartbeat(**kwargs)
+
+
+def test_a_job_claimed_late_in_a_long_poll_is_confirmed_not_fenced(clock):
+    enqueue()
+    executor = ScriptedExecutor(block=True)
+    fake = FakeMonotonic()
+    transport = SlowClaimTransport(fake, LEASE, worker_id="w1")  # the answer came a whole lease after the request
+    runtime = make_runtime(executor, transport=transport)
+    runtime.monotonic = fake
+    assert runtime.claim_once(wait=LEASE) == 1
+    assert transport.heartbeats == 1  # confirmed before its runner started
+    wait_for(executor.started.is_set)
+    runtime.heartbeat_once()
+    assert not executor.cancelled.is_set()
+    executor.release.set()
+    runtime.reap(wait=True)
+    assert runtime.finished_count == 1
+
+
+def test_a_self_fenced_step_is_dead_before_its_lease_ends(clock):
+    class GracefulExecutor(ScriptedExecutor):
+        grace = 5.0  # longer than the whole lease below
+
+    executor = GracefulExecutor(block=True)
+    transport = FlakyTransport(worker_id="w1")
+    clock_ = FakeMonotonic()
+    runtime = WorkerRuntime(
+        transport=transport,
+        spec=WorkerSpec(worker_id="w1", pool=None, labels=(), capabilities=("apiary.workflow", "runner:shell"), capacity=1),
+        executor=executor,
+        claim_wait=0.0,
+        monotonic=clock_,
+    )
+    from jobqueue import conf
+
+    conf.configure(conf.QueueConfig(lease_duration=4.0, heartbeat_interval=1.0, worker_timeout=4.0))
+    runtime.start()
+    _made.append(runtime)
+    assert executor.grace == 1.0  # clamped to a quarter of the lease
+    # SIGTERM at fence_after, SIGKILL `grace` later: both inside the lease, with the margin to spare.
+    assert runtime.fence_after + executor.grace + runtime.margin == pytest.approx(4.0)
+    assert runtime.beat_every <= runtime.fence_after / 2
+
+
+def test_a_refused_token_stops_every_runner(clock):
+    enqueue()
+    executor = ScriptedExecutor(block=True)
+    transport = FlakyTransport(worker_id="w1")
+    runtime = make_runtime(executor, transport=transport)
+    runtime.claim_once()
+    wait_for(executor.started.is_set)
+
+    def refused(**kwargs):
+        raise Unauthorized("wrong token")
+
+    transport.worker_heartbeat = refused
+    runtime.monotonic.now += BEAT
+    runtime.heartbeat_once()
+    assert runtime.fatal and "refused the worker token" in runtime.fatal
+    wait_for(executor.cancelled.is_set)  # nothing would heartbeat or fence it any more
+
+
+def test_start_does_not_register_while_the_outbox_cannot_be_delivered(clock, tmp_path):
+    job = enqueue()
+    outbox = LocalDB(tmp_path / "w1.db")
+    transport = FlakyTransport(worker_id="w1")
+    transport.finish_failures = 10**6
+    first = make_runtime(ScriptedExecutor(), transport=transport, outbox=outbox)
+    first.claim_once()
+    wait_for(lambda: len(outbox.pending()) == 1)
+    first.draining.set()
+    second = WorkerRuntime(
+        transport=transport, spec=first.spec, executor=ScriptedExecutor(), monotonic=FakeMonotonic(), outbox=outbox
+    )
+    with pytest.raises(TransportError):
+        second.start()  # registering now would expire the attempt whose finish is still undelivered
+    transport.finish_failures = 0
+    second.start()
+    _made.append(second)
+    assert job_state(job) == JobState.SUCCEEDED
+
+
+def test_outbox_keeps_two_finishes_of_the_same_attempt_id(tmp_path):
+    # Attempt ids start again when the control plane's database is recreated.
+    from jobqueue.services import Claim
+
+    outbox = LocalDB(tmp_path / "w.db")
+    for token in ("old", "new"):
+        claim = Claim(1, 7, 1, token, None, "wf", 1, "a", "shell", {"id": 1})
+        outbox.record_finish(claim=claim, outcome="succeeded", summary={}, error=None)
+    assert [e["token"] for e in outbox.pending()] == ["old", "new"]
+
+
+def test_an_operator_drain_pauses_the_embedded_worker_until_lifted(clock):
+    enqueue()
+    runtime = make_runtime(ScriptedExecutor())
+    runtime.exit_on_drain = False
+    services.worker_drain(worker_id="w1")
+    runtime.monotonic.now += BEAT
+    runtime.heartbeat_once()
+    assert runtime.draining.is_set() and runtime.claim_once() == 0
+    services.worker_undrain(worker_id="w1")
+    runtime.monotonic.now += BEAT
+    runtime.heartbeat_once()
+    assert not runtime.draining.is_set()
+    assert runtime.claim_once() == 1
+
+
+def test_an_unexpected_claim_error_does_not_end_the_worker(clock):
+    enqueue()
+    transport = FlakyTransport(worker_id="w1")
+    calls = {"n": 0}
+    real_claim = transport.claim
+
+    def odd_then_fine(**kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyError("jobs")  # e.g. a 200 without the field
+        return real_claim(**kwargs)
+
+    transport.claim = odd_then_fine
+    executor = ScriptedExecutor()
+    runtime = make_runtime(executor, transport=transport)
+    loop = threading.Thread(target=runtime.run)
+    loop.start()
+    wait_for(lambda: runtime.finished_count == 1)
+    runtime.request_drain("test over")
+    loop.join(10)
+    assert not loop.is_alive() and runtime.fatal is None

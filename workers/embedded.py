@@ -34,4 +34,5 @@ def embedded_runtime(config: Config, *, grace: float = 5.0) -> WorkerRuntime:
         spec=spec,
         executor=executor,
         claim_wait=min(1.0, config.settings.queue.heartbeat_interval / 2),
+        exit_on_drain=False,  # an operator's drain pauses it; undrain resumes it; only the daemon stops it
     )

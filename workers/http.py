@@ -23,6 +23,7 @@ from .transport import Registration, TransportError, Unauthorized, WorkerSpec
 log = logging.getLogger("apiary.worker")
 
 PROTOCOL_PATH = "/api/worker/v1/"
+RETRY_STATUSES = frozenset({502, 503, 504})  # the control plane (or its proxy) is briefly unavailable
 ERRORS = {
     "stale_attempt": StaleAttempt,
     "session_superseded": SessionSuperseded,
@@ -64,13 +65,24 @@ class HttpTransport:
             self.session.verify = ca_cert
 
     def _call(
-        self, method: str, path: str, body: dict | None = None, *, extra_read: float = 0.0, quick: bool = False
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        *,
+        extra_read: float = 0.0,
+        quick: bool = False,
+        once: bool = False,
     ) -> dict:
-        """`quick` calls (heartbeats) try once with a read timeout of one
-        heartbeat interval: the runtime beats again next round, and one hung
-        request must not hold up the heartbeats of every other job."""
+        """One protocol call. Connection errors and 502/503/504 are retried with
+        jittered backoff; other answers are not (a 4xx is an answer, a 500 a bug).
+        `quick` calls (heartbeats) try once with a read timeout of one heartbeat
+        interval: the runtime beats again next round, and one hung request must
+        not hold up the heartbeats of every other job. `once` calls (claims) are
+        not retried here because they are not idempotent: a claim whose answer
+        was lost leased jobs nobody will run (their leases run out)."""
         delay = 0.25
-        attempts = 1 if quick else self.attempts
+        attempts = 1 if (quick or once) else self.attempts
         read = self.beat_timeout if quick else self.read_timeout + extra_read
         for attempt in range(1, attempts + 1):
             try:
@@ -81,18 +93,20 @@ class HttpTransport:
                 failure = TransportError(f"{method} {path}: {type(exc).__name__}: {exc}")
             else:
                 if response.status_code < 400:
-                    return response.json()
+                    try:
+                        return response.json()
+                    except ValueError as exc:  # not the control plane answering (a proxy's page?)
+                        raise TransportError(f"{method} {path}: HTTP {response.status_code} but not JSON") from exc
                 try:
                     error = response.json()["error"]
                 except (ValueError, KeyError, TypeError):
-                    error = {"code": "unavailable" if response.status_code >= 500 else "invalid_request",
-                             "message": f"HTTP {response.status_code}"}
+                    error = {"code": "", "message": f"HTTP {response.status_code}"}
                 code, message = error.get("code", ""), error.get("message", "")
                 if response.status_code < 500 and code in ERRORS:
                     exc = ERRORS[code](message)
                     exc.details = error.get("details") or {}  # not as keywords: a detail may be called "message"
                     raise exc
-                if response.status_code < 500:
+                if response.status_code not in RETRY_STATUSES:
                     raise InvalidRequest(f"{method} {path}: HTTP {response.status_code} {code}: {message}")
                 failure = TransportError(f"{method} {path}: HTTP {response.status_code} {code}: {message}")
             if attempt == attempts:
@@ -139,6 +153,7 @@ class HttpTransport:
             "claims",
             {"worker_id": self.worker_id, "session": session, "max_jobs": max_jobs, "wait": wait},
             extra_read=wait,
+            once=True,
         )
         return [
             Claim(

@@ -22,9 +22,11 @@ CREATE TABLE IF NOT EXISTS step_runs (
     log_path TEXT, output_tail TEXT,
     PRIMARY KEY (instance_id, attempt_number, step_id)
 );
-CREATE TABLE IF NOT EXISTS outbox (
-    attempt_id INTEGER PRIMARY KEY, job_id INTEGER NOT NULL, token TEXT NOT NULL,
-    outcome TEXT NOT NULL, summary TEXT NOT NULL, error TEXT,
+-- Keyed by a row id of its own: attempt ids start again if the control
+-- plane's database is ever recreated, and a new finish must never be skipped.
+CREATE TABLE IF NOT EXISTS finish_outbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, attempt_id INTEGER NOT NULL, job_id INTEGER NOT NULL,
+    token TEXT NOT NULL, outcome TEXT NOT NULL, summary TEXT NOT NULL, error TEXT,
     written_at TEXT NOT NULL, acked_at TEXT, answer TEXT
 );
 """
@@ -68,24 +70,28 @@ class LocalDB:
 
     # the outbox
 
-    def record_finish(self, *, claim: Claim, outcome: str, summary: dict, error: str | None) -> None:
-        self._run(
-            "INSERT OR IGNORE INTO outbox (attempt_id, job_id, token, outcome, summary, error, written_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (claim.attempt_id, claim.job_id, claim.token, outcome, json.dumps(summary), error, _now()),
-        )
+    def record_finish(self, *, claim: Claim, outcome: str, summary: dict, error: str | None) -> int:
+        """Write the finish before it is sent; returns its outbox id."""
+        with self.lock:
+            cursor = self.db.execute(
+                "INSERT INTO finish_outbox (attempt_id, job_id, token, outcome, summary, error, written_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (claim.attempt_id, claim.job_id, claim.token, outcome, json.dumps(summary), error, _now()),
+            )
+            return cursor.lastrowid
 
-    def acknowledge(self, attempt_id: int, answer: str) -> None:
-        self._run("UPDATE outbox SET acked_at = ?, answer = ?, token = '' WHERE attempt_id = ?", (_now(), answer, attempt_id))
+    def acknowledge(self, entry_id: int, answer: str) -> None:
+        """The control plane answered (or refused for good): the token is no longer kept."""
+        self._run("UPDATE finish_outbox SET acked_at = ?, answer = ?, token = '' WHERE id = ?", (_now(), answer, entry_id))
 
     def pending(self) -> list[dict]:
         rows = self._run(
-            "SELECT attempt_id, job_id, token, outcome, summary, error FROM outbox WHERE acked_at IS NULL"
-            " ORDER BY written_at"
+            "SELECT id, attempt_id, job_id, token, outcome, summary, error FROM finish_outbox"
+            " WHERE acked_at IS NULL ORDER BY id"
         )
         return [
-            {"attempt_id": a, "job_id": j, "token": t, "outcome": o, "summary": json.loads(s), "error": e}
-            for a, j, t, o, s, e in rows
+            {"id": i, "attempt_id": a, "job_id": j, "token": t, "outcome": o, "summary": json.loads(s), "error": e}
+            for i, a, j, t, o, s, e in rows
         ]
 
     def close(self) -> None:

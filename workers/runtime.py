@@ -42,6 +42,7 @@ class ActiveJob:
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     discard: str | None = None  # why the result must not be sent
     thread: threading.Thread | None = None
+    outbox_id: int | None = None  # the finish's row in the worker's outbox, once written
 
 
 class WorkerRuntime:
@@ -55,6 +56,7 @@ class WorkerRuntime:
         fence_margin: float | None = None,
         outbox=None,
         monotonic=time.monotonic,
+        exit_on_drain: bool = True,
     ):
         self.transport = transport
         self.spec = spec
@@ -63,6 +65,11 @@ class WorkerRuntime:
         self.fence_margin = fence_margin
         self.outbox = outbox  # workers.localdb.LocalDB for remote workers: finishes survive restarts
         self.monotonic = monotonic  # the worker's own clock for self-fencing; tests pass a fake one
+        # A remote worker exits once drained; the embedded one only pauses while
+        # an operator's drain stands, and resumes when it is lifted.
+        self.exit_on_drain = exit_on_drain
+        self.shutting_down = False
+        self.paused_by_operator = False
         self.registration: Registration | None = None
         self.active: dict[int, ActiveJob] = {}
         self.lock = threading.Lock()
@@ -77,9 +84,18 @@ class WorkerRuntime:
 
     def start(self) -> Registration:
         # Finishes a previous process could not deliver go first: registering
-        # expires the attempts the old session still holds.
-        self.flush_outbox()
+        # expires the attempts the old session still holds, so this does not
+        # register while any of them is still undelivered (TransportError).
+        if self.flush_outbox():
+            raise TransportError("finishes from a previous run are not delivered yet; not registering")
         self.registration = self.transport.register(self.spec)
+        grace = getattr(self.executor, "grace", 0.0)
+        if grace > self.registration.lease_duration / 4:
+            log.warning(
+                "grace %.1fs is too long for a %.1fs lease: using %.1fs, so a self-fenced step is killed in time",
+                grace, self.registration.lease_duration, self.registration.lease_duration / 4,
+            )
+            self.executor.grace = self.registration.lease_duration / 4
         self.last_contact = self.monotonic()
         self.next_worker_heartbeat = self.last_contact + self.registration.heartbeat_interval
         log.info(
@@ -98,7 +114,36 @@ class WorkerRuntime:
         lease = self.registration.lease_duration
         return self.fence_margin if self.fence_margin is not None else min(2.0, lease * 0.1)
 
+    @property
+    def fence_after(self) -> float:
+        """Seconds after the sending time of the last acknowledged heartbeat at
+        which a runner is stopped: the lease, less the margin, less the grace a
+        step gets between SIGTERM and SIGKILL — so it is dead before the lease ends."""
+        return self.registration.lease_duration - self.margin - getattr(self.executor, "grace", 0.0)
+
+    @property
+    def beat_every(self) -> float:
+        """Attempt heartbeats at the configured interval, but at least twice per
+        fence window: a heartbeat_interval close to the lease would otherwise
+        fence every job longer than it."""
+        return max(0.05, min(self.registration.heartbeat_interval, self.fence_after / 2))
+
     def request_drain(self, why: str = "drain requested") -> None:
+        """Stop claiming, let active jobs finish, then stop (a signal, a shutdown)."""
+        self.shutting_down = True
+        self._drain(why)
+
+    def _operator_drain(self, requested: bool) -> None:
+        if requested and not self.draining.is_set():
+            self.paused_by_operator = not self.exit_on_drain
+            self._drain("an operator asked this worker to drain")
+        elif not requested and self.paused_by_operator and not self.shutting_down:
+            self.paused_by_operator = False
+            self.draining.clear()
+            log.info("worker %s: drain lifted by an operator; claiming again", self.spec.worker_id)
+            self._call(self._send_worker_heartbeat)  # tell the control plane at once: it refuses claims while draining
+
+    def _drain(self, why: str) -> None:
         if not self.draining.is_set():
             log.info("worker %s draining (%s): no new claims; %d active job(s) will finish", self.spec.worker_id, why, len(self.active))
             self.draining.set()
@@ -128,11 +173,17 @@ class WorkerRuntime:
             while not self.stopped.is_set():
                 self.reap()
                 if self.draining.is_set():
-                    if self.idle():
+                    if self.idle() and (self.exit_on_drain or self.shutting_down):
                         break
                     time.sleep(0.05)
                     continue
-                if not self.claim_once(wait=self.claim_wait):
+                try:
+                    claimed = self.claim_once(wait=self.claim_wait)
+                except Exception:  # an answer we did not expect: keep the worker (and its runners) alive
+                    log.exception("worker %s: claim failed", self.spec.worker_id)
+                    claimed = 0
+                    time.sleep(1.0)
+                if not claimed:
                     time.sleep(0.05 + random.uniform(0, 0.05))  # no lockstep between workers
         finally:
             self.stopped.set()
@@ -140,7 +191,10 @@ class WorkerRuntime:
             fence.join(timeout=5)
         self.reap(wait=True)
         if self.fatal is None:
-            self._send_worker_heartbeat(ready=False)
+            try:
+                self._send_worker_heartbeat(ready=False)
+            except (QueueError, OSError) as exc:  # drained all the same; the control plane will see it stale
+                log.warning("worker %s: could not report ready: false (%s)", self.spec.worker_id, exc)
             log.info("worker %s drained; %d job(s) finished", self.spec.worker_id, self.finished_count)
             return 0
         log.error("worker %s stopped: %s", self.spec.worker_id, self.fatal)
@@ -160,18 +214,41 @@ class WorkerRuntime:
             self._call(lambda: self._send_worker_heartbeat())  # try to reach it; claim next time
             return 0
         sent = self.monotonic()
-        claims = self._call(lambda: self.transport.claim(session=self.session, max_jobs=free, wait=wait))
-        for claim in claims or []:
+        claims = self._call(lambda: self.transport.claim(session=self.session, max_jobs=free, wait=wait)) or []
+        # The lease started somewhere between sending and receiving. After a
+        # long poll that could be long ago, so such a claim is confirmed with a
+        # heartbeat (a fresh, known starting point) before its runner starts.
+        late = self.monotonic() - sent > self.margin / 2
+        for claim in claims:
+            acked = sent
+            if late:
+                confirmed = self._confirm(claim)
+                if confirmed is None:
+                    continue
+                acked = confirmed
             log.info(
                 "claim: job %s attempt %s (#%s) workflow %s instance %s task %s",
                 claim.job_id, claim.attempt_id, claim.attempt_number, claim.workflow, claim.instance_id, claim.task["id"],
             )
-            job = ActiveJob(claim=claim, acked_at=sent, next_heartbeat=sent + self.registration.heartbeat_interval)
+            job = ActiveJob(claim=claim, acked_at=acked, next_heartbeat=acked + self.beat_every)
             job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"job-{claim.job_id}", daemon=True)
             with self.lock:
                 self.active[claim.attempt_id] = job
             job.thread.start()
-        return len(claims or [])
+        return len(claims)
+
+    def _confirm(self, claim: Claim) -> float | None:
+        """Heartbeat a just-claimed attempt; the sending time when acknowledged,
+        the claim's own sending time (the safe side) on a transient failure, None when stale."""
+        sent = self.monotonic()
+        try:
+            self.transport.heartbeat(attempt_id=claim.attempt_id, token=claim.token)
+        except (StaleAttempt, NotFound, SessionSuperseded) as exc:
+            log.warning("claim of job %s attempt %s is already stale: %s", claim.job_id, claim.attempt_id, exc.message)
+            return None
+        except RETRYABLE:
+            return sent - self.fence_after  # unconfirmed: the fence treats it as already due
+        return sent
 
     def reap(self, wait: bool = False) -> None:
         with self.lock:
@@ -199,8 +276,8 @@ class WorkerRuntime:
         if now >= self.next_worker_heartbeat:
             self.next_worker_heartbeat = now + self.registration.heartbeat_interval
             drain = self._call(self._send_worker_heartbeat)
-            if drain:
-                self.request_drain("an operator asked this worker to drain")
+            if drain is not None:
+                self._operator_drain(drain)
         with self.lock:
             jobs = list(self.active.values())
         for job in jobs:
@@ -229,7 +306,7 @@ class WorkerRuntime:
             return True
         if job.thread is None or not job.thread.is_alive():
             return False
-        if self.monotonic() >= job.acked_at + self.registration.lease_duration - self.margin:
+        if self.monotonic() >= job.acked_at + self.fence_after:
             self._discard(job, "its lease must have run out without an acknowledged heartbeat (self-fenced)")
             return True
         return False
@@ -242,7 +319,7 @@ class WorkerRuntime:
             return
         if now < job.next_heartbeat:
             return
-        job.next_heartbeat = now + self.registration.heartbeat_interval
+        job.next_heartbeat = now + self.beat_every
         try:
             answer = self.transport.heartbeat(attempt_id=job.claim.attempt_id, token=job.claim.token)
         except (StaleAttempt, NotFound) as exc:
@@ -250,7 +327,7 @@ class WorkerRuntime:
             return
         except RETRYABLE as exc:
             log.warning("heartbeat of attempt %s failed (%s); retrying", job.claim.attempt_id, exc)
-            job.next_heartbeat = now + min(1.0, self.registration.heartbeat_interval / 2)
+            job.next_heartbeat = now + min(1.0, self.beat_every / 2)
             return
         except SessionSuperseded as exc:
             self._superseded(exc)
@@ -267,11 +344,17 @@ class WorkerRuntime:
         job.cancel.set()
 
     def _superseded(self, exc: Exception) -> None:
-        self.fatal = f"another process registered worker id {self.spec.worker_id!r} ({exc}); exiting"
+        self._fatal(f"another process registered worker id {self.spec.worker_id!r} ({exc}); exiting")
+
+    def _fatal(self, why: str) -> None:
+        """Stop for good: every runner is stopped and its result discarded, since
+        nothing will heartbeat or fence them once the loops end."""
+        if self.fatal is None:
+            self.fatal = why
         with self.lock:
             jobs = list(self.active.values())
         for job in jobs:
-            self._discard(job, "session superseded")
+            self._discard(job, why)
         self.stopped.set()
 
     def _call(self, fn):
@@ -286,8 +369,7 @@ class WorkerRuntime:
             log.warning("control plane unavailable: %s", exc)
             return None
         except Unauthorized as exc:
-            self.fatal = f"the control plane refused the worker token ({exc.message})"
-            self.stopped.set()
+            self._fatal(f"the control plane refused the worker token ({exc.message})")
             return None
         self.last_contact = self.monotonic()
         return result
@@ -305,15 +387,20 @@ class WorkerRuntime:
                     attempt_id=entry["attempt_id"], token=entry["token"], outcome=entry["outcome"],
                     summary=entry["summary"], error=entry["error"],
                 )
-            except (StaleAttempt, NotFound) as exc:
+            except (StaleAttempt, NotFound, SessionSuperseded) as exc:
                 log.warning("outbox: finish of attempt %s refused as stale (%s); dropped", entry["attempt_id"], exc.message)
-                self.outbox.acknowledge(entry["attempt_id"], "stale")
+                self.outbox.acknowledge(entry["id"], "stale")
             except RETRYABLE as exc:
                 log.warning("outbox: finish of attempt %s not delivered yet (%s)", entry["attempt_id"], exc)
                 return len(pending)
+            except Unauthorized:
+                raise
+            except QueueError as exc:
+                log.error("outbox: finish of attempt %s refused (%s); dropped", entry["attempt_id"], exc.message)
+                self.outbox.acknowledge(entry["id"], f"refused: {exc.code}")
             else:
                 log.info("outbox: finish of job %s attempt %s delivered → job %s", entry["job_id"], entry["attempt_id"], state)
-                self.outbox.acknowledge(entry["attempt_id"], state)
+                self.outbox.acknowledge(entry["id"], state)
         return 0
 
     def _run_job(self, job: ActiveJob) -> None:
@@ -334,7 +421,9 @@ class WorkerRuntime:
     def _finish(self, job: ActiveJob, outcome: Outcome) -> None:
         claim = job.claim
         if self.outbox is not None:
-            self.outbox.record_finish(claim=claim, outcome=outcome.outcome, summary=outcome.summary, error=outcome.error)
+            job.outbox_id = self.outbox.record_finish(
+                claim=claim, outcome=outcome.outcome, summary=outcome.summary, error=outcome.error
+            )
         delay = 0.2
         while True:
             try:
@@ -347,14 +436,13 @@ class WorkerRuntime:
                 )
             except (StaleAttempt, NotFound) as exc:
                 log.warning("finish of job %s attempt %s refused as stale: %s; result discarded", claim.job_id, claim.attempt_id, exc.message)
-                self._acknowledge(claim, "stale")
+                self._acknowledge(job, "stale")
                 return
             except SessionSuperseded as exc:
                 self._superseded(exc)
                 return
             except Unauthorized as exc:
-                self.fatal = f"the control plane refused the worker token ({exc.message})"
-                self.stopped.set()
+                self._fatal(f"the control plane refused the worker token ({exc.message})")
                 return
             except RETRYABLE as exc:
                 if job.discard:  # self-fenced while retrying: the outbox resends after a restart
@@ -365,9 +453,9 @@ class WorkerRuntime:
                 continue
             except QueueError as exc:  # refused as malformed: resending cannot help; the lease will run out
                 log.error("finish of job %s attempt %s refused (%s): %s", claim.job_id, claim.attempt_id, exc.code, exc.message)
-                self._acknowledge(claim, f"refused: {exc.code}")
+                self._acknowledge(job, f"refused: {exc.code}")
                 return
-            self._acknowledge(claim, state)
+            self._acknowledge(job, state)
             self.finished_count += 1
             log.info(
                 "finish: job %s attempt %s outcome %s → job %s%s",
@@ -375,6 +463,6 @@ class WorkerRuntime:
             )
             return
 
-    def _acknowledge(self, claim: Claim, answer: str) -> None:
-        if self.outbox is not None:
-            self.outbox.acknowledge(claim.attempt_id, answer)
+    def _acknowledge(self, job: ActiveJob, answer: str) -> None:
+        if self.outbox is not None and job.outbox_id is not None:
+            self.outbox.acknowledge(job.outbox_id, answer)

@@ -7,6 +7,7 @@ import threading
 
 from django.core.management.base import BaseCommand, CommandError
 
+from jobqueue.services import WORKER_ID_RE
 from workers.embedded import capabilities_for
 from workers.executor import Executor
 from workers.http import HttpTransport
@@ -47,6 +48,11 @@ class Command(BaseCommand):
         except ConfigError as exc:
             raise CommandError(str(exc), returncode=2) from exc
         worker_id = options["worker_id"]
+        if not WORKER_ID_RE.fullmatch(worker_id):  # also a file name under .apiary/: checked before any use
+            raise CommandError(
+                f"--id {worker_id!r}: expected 1–128 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit",
+                returncode=2,
+            )
         state = config.state_dir
         groups = ProcessGroups(state / "run" / worker_id)
         groups.reap_orphans(grace=options["grace"])

@@ -1,0 +1,90 @@
+"""The HTTP transport's retry policy against a scripted server on loopback."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from jobqueue.exceptions import InvalidRequest, StaleAttempt
+from workers.http import HttpTransport
+from workers.transport import TransportError
+
+
+class Scripted(BaseHTTPRequestHandler):
+    answers: list[tuple[int, str, str]] = []  # (status, content type, body), one per request
+    seen: list[str] = []
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.seen.append(self.path)
+        status, ctype, body = self.answers.pop(0) if self.answers else (599, "text/plain", "no answer scripted")
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    Scripted.answers, Scripted.seen = [], []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+
+
+def transport(server) -> HttpTransport:
+    host, port = server.server_address
+    return HttpTransport(base_url=f"http://{host}:{port}", token="t", worker_id="w1", attempts=3)
+
+
+def error(status: int, code: str) -> tuple[int, str, str]:
+    return status, "application/json", json.dumps({"error": {"code": code, "message": code, "details": {}}})
+
+
+FINISHED = (200, "application/json", json.dumps({"job_state": "succeeded"}))
+
+
+def finish(t: HttpTransport) -> str:
+    return t.finish(attempt_id=1, token="x", outcome="succeeded", summary={}, error=None)
+
+
+def test_503_is_retried_then_answered(server):
+    Scripted.answers = [error(503, "unavailable"), FINISHED]
+    assert finish(transport(server)) == "succeeded"
+    assert len(Scripted.seen) == 2
+
+
+def test_a_4xx_answer_is_not_retried(server):
+    Scripted.answers = [error(409, "stale_attempt"), FINISHED]
+    with pytest.raises(StaleAttempt):
+        finish(transport(server))
+    assert len(Scripted.seen) == 1
+
+
+def test_a_500_is_a_bug_not_a_blip_and_is_not_retried(server):
+    Scripted.answers = [(500, "application/json", json.dumps({"error": {"code": "internal_error"}})), FINISHED]
+    with pytest.raises(InvalidRequest):
+        finish(transport(server))
+    assert len(Scripted.seen) == 1
+
+
+def test_a_2xx_that_is_not_json_is_a_transport_error(server):
+    Scripted.answers = [(200, "text/html", "<html>proxy login</html>")]
+    with pytest.raises(TransportError):
+        finish(transport(server))
+
+
+def test_a_claim_is_never_resent_by_the_transport(server):
+    # Not idempotent: a resent claim would lease more jobs while the first ones' answer was lost.
+    Scripted.answers = [error(503, "unavailable"), (200, "application/json", json.dumps({"jobs": []}))]
+    with pytest.raises(TransportError):
+        transport(server).claim(session="s", max_jobs=1, wait=0)
+    assert Scripted.seen == ["/api/worker/v1/claims"]
