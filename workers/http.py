@@ -61,8 +61,9 @@ class HttpTransport:
         self.beat_timeout = read_timeout  # one heartbeat interval, once registered
         self.session = requests.Session()
         self.session.headers.update({"Authorization": f"Bearer {token}", "Accept": "application/json"})
-        if ca_cert:
-            self.session.verify = ca_cert
+        # Passed with every request: requests lets $REQUESTS_CA_BUNDLE override a
+        # session-level `verify`, but not a per-request one.
+        self.verify: str | bool = ca_cert or True
 
     def _call(
         self,
@@ -87,7 +88,7 @@ class HttpTransport:
         for attempt in range(1, attempts + 1):
             try:
                 response = self.session.request(
-                    method, self.base + path, json=body, timeout=(self.connect_timeout, read)
+                    method, self.base + path, json=body, timeout=(self.connect_timeout, read), verify=self.verify
                 )
             except requests.RequestException as exc:
                 failure = TransportError(f"{method} {path}: {type(exc).__name__}: {exc}")

@@ -65,17 +65,24 @@ class Command(BaseCommand):
             log.info("embedded worker off (settings.queue.embedded_worker: false): jobs wait for remote workers")
 
         stop = threading.Event()
-        signals = {"count": 0}
+        signals = {"count": 0, "acted": 0}
 
+        # The handler only records the signal: it runs on the main thread between
+        # any two bytecodes, possibly while that thread holds the runtime's lock.
         def on_signal(signum, frame):
             signals["count"] += 1
-            if signals["count"] == 1:
-                log.info("%s: draining (a second signal stops running jobs)", signal.Signals(signum).name)
-                stop.set()
+            stop.set()
+
+        def act_on_signals() -> None:
+            if signals["acted"] < 1 <= signals["count"]:
+                signals["acted"] = 1
+                log.info("signal: draining (a second signal stops running jobs)")
                 if runtime:
                     runtime.request_drain("shutting down")
-            elif runtime:
-                runtime.cancel_all("second signal")
+            if signals["acted"] < 2 <= signals["count"]:
+                signals["acted"] = 2
+                if runtime:
+                    runtime.cancel_all("second signal")
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         exit_code = 0
@@ -106,9 +113,12 @@ class Command(BaseCommand):
                         break
                     stuck_before = stuck
                 stop.wait(options["tick"])
+            act_on_signals()
             if runtime:
                 runtime.request_drain("shutting down")
-                thread.join()
+                while thread.is_alive():  # a second signal during the drain stops the running jobs
+                    thread.join(0.1)
+                    act_on_signals()
         finally:
             if listener and listener.poll() is None:
                 listener.terminate()  # gunicorn: graceful stop of its workers
