@@ -61,6 +61,15 @@ def task_environment(claim: Claim, *, worker_id: str, workspace: Path) -> dict[s
     }
 
 
+# Variables of the worker's own environment that no step gets. A step runs task-driven (often
+# agent-driven) code, and with these it could act as the worker on the protocol
+# (APIARY_WORKER_TOKEN, which `apiary worker` and `${APIARY_WORKER_TOKEN}` in a config read),
+# open the queue database directly (DATABASE_URL) or forge admin sessions (DJANGO_SECRET_KEY).
+# Which other variables a config interpolated is not knowable here, so only these are named; a
+# step that needs one of them can still be given it explicitly with `env:` in the config.
+WITHHELD_ENV = ("APIARY_WORKER_TOKEN", "DATABASE_URL", "DJANGO_SECRET_KEY")
+
+
 class Executor:
     def __init__(self, *, config: Config, worker_id: str, history: History, groups: ProcessGroups, grace: float = 5.0):
         self.config = config
@@ -77,7 +86,8 @@ class Executor:
         state = self.config.state_dir
         workspace = state / "workspaces" / str(claim.task["id"])
         workspace.mkdir(parents=True, exist_ok=True)
-        base_env = {**os.environ, **agent.env, **task_environment(claim, worker_id=self.worker_id, workspace=workspace)}
+        inherited = {name: value for name, value in os.environ.items() if name not in WITHHELD_ENV}
+        base_env = {**inherited, **agent.env, **task_environment(claim, worker_id=self.worker_id, workspace=workspace)}
         context = {"task": dict(claim.task), "steps": {}, "workflow": claim.workflow, "attempt": claim.attempt_number}
         deadline = time.monotonic() + workflow.timeout if workflow.timeout else None
         steps_summary: list[dict] = []
