@@ -5,17 +5,20 @@ cancel event, runs each step through the runner adapters, records step
 history, and returns the outcome. The runtime decides what to do with it.
 """
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
 from jobqueue.services import Claim
+from jobqueue.sql import clean
 from workflows import runners, templates
 from workflows.config import Config, StepConfig
 
@@ -40,11 +43,32 @@ class History(Protocol):
     def step_finished(self, *, claim: Claim, worker_id: str, step_id: str, result: "runners.StepResult") -> None: ...
 
 
-def task_environment(claim: Claim, *, worker_id: str, workspace: Path) -> dict[str, str]:
+# Variables of the worker's own environment that no step gets. A step runs task-driven (often
+# agent-driven) code, and with these it could act as the worker on the protocol
+# (APIARY_WORKER_TOKEN, which `apiary worker` and `${APIARY_WORKER_TOKEN}` in a config read),
+# open the queue database directly (DATABASE_URL) or forge admin sessions (DJANGO_SECRET_KEY).
+# Which other variables a config interpolated is not knowable here, so only these are named; a
+# step that needs one of them can still be given it explicitly with `env:` in the config.
+WITHHELD_ENV = ("APIARY_WORKER_TOKEN", "DATABASE_URL", "DJANGO_SECRET_KEY")
+
+# Bytes (UTF-8) of one task text variable. Linux refuses to start a process when one environment
+# string exceeds 128 KiB (E2BIG) or all of them exceed a quarter of the stack limit; a cut far
+# below both leaves room for the rest of the environment. APIARY_TASK_FILE has everything.
+TASK_TEXT_CAP = 32 * 1024
+
+
+def task_environment(claim: Claim, *, worker_id: str, workspace: Path, task_file: Path) -> dict[str, str]:
     """Identity and task fields for every step process. Task text travels in
-    the environment, never spliced into a command line."""
-    task = claim.task
-    return {
+    the environment, never spliced into a command line.
+
+    An environment cannot hold every task: NUL (and a lone surrogate, which
+    cannot be encoded) becomes U+FFFD, and APIARY_TASK_TITLE, _BODY, _PAYLOAD
+    (JSON) and _ITEM_KEY are cut to TASK_TEXT_CAP bytes at a character
+    boundary, ending with a note saying so. APIARY_TASK_FILE names a JSON file
+    with the whole task, unchanged and uncut (`task_file_write`); read it when
+    the text may be long: `jq -r .body "$APIARY_TASK_FILE"`."""
+    task = clean(dict(claim.task))
+    env = {
         "APIARY_JOB_ID": str(claim.job_id),
         "APIARY_ATTEMPT": str(claim.attempt_number),
         "APIARY_INSTANCE_ID": str(claim.instance_id),
@@ -53,21 +77,42 @@ def task_environment(claim: Claim, *, worker_id: str, workspace: Path) -> dict[s
         "APIARY_WORKFLOW": claim.workflow,
         "APIARY_TASK_ID": str(task["id"]),
         "APIARY_TASK_SOURCE": str(task.get("source", "")),
-        "APIARY_TASK_ITEM_KEY": str(task.get("item_key", "")),
+        "APIARY_TASK_ITEM_KEY": _capped(str(task.get("item_key", ""))),
         "APIARY_TASK_GENERATION": str(task.get("generation", "")),
-        "APIARY_TASK_TITLE": str(task.get("title", "")),
-        "APIARY_TASK_BODY": str(task.get("body", "")),
-        "APIARY_TASK_PAYLOAD": json.dumps(task.get("payload", {})),
+        "APIARY_TASK_TITLE": _capped(str(task.get("title", ""))),
+        "APIARY_TASK_BODY": _capped(str(task.get("body", ""))),
+        "APIARY_TASK_PAYLOAD": _capped(json.dumps(task.get("payload", {}))),
+        "APIARY_TASK_FILE": str(task_file),
     }
+    return {name: _env_safe(value) for name, value in env.items()}
 
 
-# Variables of the worker's own environment that no step gets. A step runs task-driven (often
-# agent-driven) code, and with these it could act as the worker on the protocol
-# (APIARY_WORKER_TOKEN, which `apiary worker` and `${APIARY_WORKER_TOKEN}` in a config read),
-# open the queue database directly (DATABASE_URL) or forge admin sessions (DJANGO_SECRET_KEY).
-# Which other variables a config interpolated is not knowable here, so only these are named; a
-# step that needs one of them can still be given it explicitly with `env:` in the config.
-WITHHELD_ENV = ("APIARY_WORKER_TOKEN", "DATABASE_URL", "DJANGO_SECRET_KEY")
+def task_file_write(claim: Claim, path: Path) -> None:
+    """The whole task as JSON, for APIARY_TASK_FILE. A lone surrogate is
+    written as its JSON escape (\\udXXX), so the file is always valid UTF-8 JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(claim.task, ensure_ascii=False, indent=2, default=str)
+    path.write_text(text + "\n", encoding="utf-8", errors="backslashreplace")
+
+
+def _capped(text: str, *, whole: str = "$APIARY_TASK_FILE") -> str:
+    data = text.encode("utf-8", errors="replace")  # lone surrogates are already U+FFFD
+    if len(data) <= TASK_TEXT_CAP:
+        return text
+    note = f"\n[apiary: truncated to fit the environment; {len(data)} bytes in all, see {whole}]"
+    # errors="ignore" drops the partial character the byte cut may leave at the end.
+    kept = data[: TASK_TEXT_CAP - len(note.encode())].decode("utf-8", errors="ignore")
+    return kept + note
+
+
+# NUL, and surrogates other than the U+DC80..U+DCFF that os.environ uses for undecodable bytes
+# (os.fsencode turns those back into the bytes; any other surrogate cannot be encoded at all).
+_NOT_IN_ENV = re.compile("[\x00\ud800-\udc7f\udd00-\udfff]")
+
+
+def _env_safe(value: str) -> str:
+    """execve takes neither NUL nor text that does not encode; the step would not start."""
+    return _NOT_IN_ENV.sub("\ufffd", value)
 
 
 class Executor:
@@ -86,9 +131,17 @@ class Executor:
         state = self.config.state_dir
         workspace = state / "workspaces" / str(claim.task["id"])
         workspace.mkdir(parents=True, exist_ok=True)
+        logs = state / "logs" / str(claim.instance_id)
+        task_file = logs / f"task-{claim.attempt_number}.json"
+        try:
+            task_file_write(claim, task_file)
+        except OSError as exc:
+            return Outcome("failed", {}, f"cannot write the task file {task_file}: {exc}")
         inherited = {name: value for name, value in os.environ.items() if name not in WITHHELD_ENV}
-        base_env = {**inherited, **agent.env, **task_environment(claim, worker_id=self.worker_id, workspace=workspace)}
-        context = {"task": dict(claim.task), "steps": {}, "workflow": claim.workflow, "attempt": claim.attempt_number}
+        task_env = task_environment(claim, worker_id=self.worker_id, workspace=workspace, task_file=task_file)
+        base_env = {**inherited, **agent.env, **task_env}
+        # Rendered prompts and commands become argv and environment strings, which hold no NUL.
+        context = {"task": clean(dict(claim.task)), "steps": {}, "workflow": claim.workflow, "attempt": claim.attempt_number}
         deadline = time.monotonic() + workflow.timeout if workflow.timeout else None
         steps_summary: list[dict] = []
         outcome, error = "succeeded", None
@@ -108,7 +161,13 @@ class Executor:
                 steps_summary.append({"id": step.id, "status": "failed", "error": str(exc)})
                 break
             timeout = min(t for t in (step.timeout, remaining) if t is not None) if (step.timeout or remaining) else None
-            log_path = state / "logs" / str(claim.instance_id) / f"{step.id}.log"
+            log_path = logs / f"{step.id}.log"
+            if "APIARY_PROMPT" in extra_env:  # the shell adapter's copy; stdin has the whole prompt
+                extra_env = {**extra_env, "APIARY_PROMPT": _capped(extra_env["APIARY_PROMPT"], whole="stdin")}
+            env = {
+                name: _env_safe(value)
+                for name, value in {**base_env, **step.env, **extra_env, "APIARY_STEP_ID": step.id}.items()
+            }
             started = dt.datetime.now(dt.UTC)
             self.history.step_started(
                 claim=claim, worker_id=self.worker_id, step_id=step.id, started_at=started, log_path=str(log_path)
@@ -119,17 +178,24 @@ class Executor:
                 self.groups.add(pgid)
                 spawned.append(pgid)
 
-            result = runners.run_step(
-                argv,
-                cwd=workspace,
-                env={**base_env, **step.env, **extra_env, "APIARY_STEP_ID": step.id},
-                stdin=stdin,
-                log_path=log_path,
-                timeout=timeout,
-                cancel=cancel,
-                grace=self.grace,
-                on_spawn=on_spawn,
-            )
+            try:
+                result = runners.run_step(
+                    argv,
+                    cwd=workspace,
+                    env=env,
+                    stdin=stdin,
+                    log_path=log_path,
+                    timeout=timeout,
+                    cancel=cancel,
+                    grace=self.grace,
+                    on_spawn=on_spawn,
+                )
+            except Exception as exc:
+                # run_step reports the step's own failures as a result; this is ours (a log or
+                # process-group record that cannot be written, an argument the OS refuses). The
+                # step's history row must still be finished, or it shows `running` forever.
+                log.exception("step %s of instance %s could not be run", step.id, claim.instance_id)
+                result = _unstarted(log_path, started, f"apiary: step {step.id} could not be run: {exc!r}")
             for pgid in spawned:  # run_step ended the whole group, background children too
                 self.groups.remove(pgid)
             self.history.step_finished(claim=claim, worker_id=self.worker_id, step_id=step.id, result=result)
@@ -157,3 +223,15 @@ class Executor:
         if step.prompt is not None:
             return runners.build_prompt_command(agent, templates.render(step.prompt, context))
         return runners.build_run_command(templates.render(step.run, context, shell=True)), None, {}
+
+
+def _unstarted(log_path: Path, started: dt.datetime, message: str) -> runners.StepResult:
+    """A failed result for a step that raised instead of reporting, with the
+    reason in its log (when the log can be written) and its output tail."""
+    with contextlib.suppress(OSError), open(log_path, "a", encoding="utf-8") as log_file:
+        log_file.write(message + "\n")
+    ended = dt.datetime.now(dt.UTC)
+    return runners.StepResult(
+        status="failed", exit_code=None, started_at=started, ended_at=ended,
+        duration=(ended - started).total_seconds(), log_path=str(log_path), output="", output_tail=message,
+    )
