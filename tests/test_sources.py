@@ -1,5 +1,10 @@
+import contextlib
 import json
 import logging
+import os
+import signal
+import threading
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -206,3 +211,79 @@ def _is_zombie(pid):
     except OSError:
         return True
     return raw[raw.rindex(")") + 2] in "ZX"
+
+
+# --- command: bounds on time and memory --------------------------------------------------------------
+
+
+@pytest.fixture
+def leftovers(tmp_path):
+    """Pids a test's command writes to `pids`, ended after the test whatever happened."""
+    yield tmp_path / "pids"
+    if (tmp_path / "pids").exists():
+        for pid in (tmp_path / "pids").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def _poll_in_thread(source, cwd):
+    """Run poll in a daemon thread so a poll that never returns cannot hang the test run."""
+    box = {}
+
+    def run():
+        try:
+            box["items"] = poll(source, cwd=cwd)
+        except SourceError as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_command_timeout_holds_when_a_child_left_the_group_and_keeps_the_pipes(monkeypatch, tmp_path, leftovers):
+    # Like a credential helper or ssh ControlPersist: a child in its own session keeps stdout and
+    # stderr open long after the command is killed; the poll must not wait for it.
+    monkeypatch.setattr("workflows.sources.COMMAND_MIN_TIMEOUT", 0.5)
+    thread, box = _poll_in_thread(
+        command(f"setsid sleep 300 & echo $! >> {leftovers}; echo '[]'; sleep 300", poll_interval=0.1), tmp_path
+    )
+    thread.join(30)  # a deadline for the condition, far below the orphan's 300 s
+    assert not thread.is_alive(), "poll is still waiting for the pipes of a process outside the group"
+    assert "timed out" in str(box["error"])
+
+
+def test_command_output_is_complete_when_the_command_exits_though_a_background_child_holds_the_pipe(
+    monkeypatch, tmp_path, leftovers
+):
+    monkeypatch.setattr("workflows.sources.COMMAND_MIN_TIMEOUT", 60.0)
+    thread, box = _poll_in_thread(
+        command(f"""sleep 300 & echo $! >> {leftovers}; echo '[{{"id": 1}}]'""", poll_interval=0.1), tmp_path
+    )
+    thread.join(30)
+    assert not thread.is_alive(), "poll waits for a background child after the command itself exited"
+    assert [item.key for item in box["items"]] == ["1"]
+    child = int(leftovers.read_text().split()[0])
+    assert not Path(f"/proc/{child}").exists() or _is_zombie(child)  # its group was ended with it
+
+
+def test_command_output_over_the_cap_is_an_error_naming_it_and_is_not_buffered(monkeypatch, tmp_path):
+    monkeypatch.setattr("workflows.sources.STDOUT_CAP", 1024 * 1024)
+    noisy = """i=0; while [ $i -lt 300000 ]; do echo '{"id": "x", "title": "padding padding padding padding"}'; i=$((i+1)); done"""
+    tracemalloc.start()
+    try:
+        with pytest.raises(SourceError) as exc:
+            poll(command(noisy), cwd=tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "1048576 bytes" in str(exc.value) and "STDOUT_CAP" in str(exc.value)
+    assert peak < 6 * 1024 * 1024, f"{peak} bytes allocated while reading ~20 MB of output with a 1 MiB cap"
+
+
+def test_command_that_closes_its_output_and_keeps_running_still_times_out(monkeypatch, tmp_path):
+    monkeypatch.setattr("workflows.sources.COMMAND_MIN_TIMEOUT", 0.5)
+    with pytest.raises(SourceError, match="timed out"):
+        poll(command(f"echo $$ > {tmp_path}/pid; exec >&- 2>&-; sleep 300", poll_interval=0.1), cwd=tmp_path)
+    pid = int((tmp_path / "pid").read_text())
+    assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)

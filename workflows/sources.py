@@ -12,15 +12,18 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import os
 import re
+import selectors
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from workflows.runners import kill_process_group
+from workflows.runners import KILL_WAIT, kill_process_group
 
 if TYPE_CHECKING:
     from workflows.config import SourceConfig
@@ -29,6 +32,11 @@ logger = logging.getLogger("apiary.sources")
 
 COMMAND_MIN_TIMEOUT = 60.0  # seconds; a command gets max(poll_interval, this)
 STDERR_TAIL = 2048  # bytes of stderr quoted in a SourceError
+STDOUT_CAP = 64 * 1024 * 1024  # bytes of output read from a command; more is an error, never buffered
+# Seconds to keep reading after the command exited or was killed: a process that left its group
+# (setsid, a daemonising helper) may hold the pipes open for as long as it likes.
+DRAIN_GRACE = 1.0
+_CHUNK = 65536
 _RESERVED = ("id", "title", "body", "updated_at")  # command fields that are not payload
 _FRONT_MATTER = re.compile(r"\A---[ \t]*\r?\n(.*?)^---[ \t]*(?:\r?\n|\Z)", re.DOTALL | re.MULTILINE)
 _HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
@@ -176,14 +184,14 @@ def _poll_command(source: SourceConfig, *, cwd: Path | None) -> list[Item]:
     except OSError as exc:
         raise SourceError(f"source {source.id!r}: cannot start {argv[0]!r}: {exc}") from exc
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_process_group(proc.pid, 1.0)
-        stdout, stderr = proc.communicate()
+        stdout, stderr, timed_out = _read_output(proc, source=source, timeout=timeout)
+    finally:
+        _end(proc)
+    if timed_out:
         raise SourceError(
             f"source {source.id!r}: command timed out after {timeout:g}s (exit {proc.returncode}); "
             f"stderr tail: {_tail(stderr)}"
-        ) from None
+        )
     if proc.returncode != 0:
         raise SourceError(f"source {source.id!r}: command exited with {proc.returncode}; stderr tail: {_tail(stderr)}")
     try:
@@ -205,6 +213,65 @@ def _poll_command(source: SourceConfig, *, cwd: Path | None) -> list[Item]:
             raise SourceError(f"source {source.id!r}: id {item.key!r} appears twice in the output")
         items[item.key] = item
     return sorted(items.values(), key=lambda item: item.key)
+
+
+def _read_output(proc: subprocess.Popen, *, source: SourceConfig, timeout: float) -> tuple[bytes, bytes, bool]:
+    """(stdout, stderr tail, timed out) of a running command, read as it comes.
+
+    Stops reading DRAIN_GRACE seconds after the command exits or is killed
+    even when the pipes are still open, and raises once stdout passes
+    STDOUT_CAP: neither a stray process nor a flood of output can hold the
+    poll or its memory."""
+    stdout, stderr = bytearray(), b""
+    deadline = time.monotonic() + timeout
+    stop_at = None  # set once the command is gone: read what is left until then
+    timed_out = False
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        selector.register(proc.stderr, selectors.EVENT_READ)
+        while selector.get_map():
+            now = time.monotonic()
+            if stop_at is None and now >= deadline:
+                timed_out = True
+                kill_process_group(proc.pid, 1.0)
+                stop_at = time.monotonic() + DRAIN_GRACE
+            elif stop_at is None and proc.poll() is not None:
+                stop_at = now + DRAIN_GRACE
+            if stop_at is not None and now >= stop_at:
+                break  # what is left holds the pipes from outside the command: give up on it
+            limit = stop_at if stop_at is not None else deadline
+            # Wake at least every 0.1 s to notice the command's exit while a stray child keeps the pipes.
+            for key, _ in selector.select(max(0.0, min(limit - now, 0.1))):
+                chunk = os.read(key.fd, _CHUNK)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                elif key.fileobj is proc.stderr:
+                    stderr = (stderr + chunk)[-STDERR_TAIL:]
+                else:
+                    stdout += chunk
+                    if len(stdout) > STDOUT_CAP:
+                        raise SourceError(
+                            f"source {source.id!r}: command printed more than {STDOUT_CAP} bytes "
+                            f"(STDOUT_CAP); stopped reading it; stderr tail: {_tail(stderr)}"
+                        )
+    if not timed_out:
+        try:  # the output is closed; the command may still be running
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    return bytes(stdout), stderr, timed_out
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End whatever is left of the command's group, close our ends of its pipes
+    and reap it. A background child of the command goes too, as after a step."""
+    kill_process_group(proc.pid, 1.0)
+    for pipe in (proc.stdout, proc.stderr):
+        pipe.close()
+    try:
+        proc.wait(timeout=KILL_WAIT)
+    except subprocess.TimeoutExpired:
+        logger.warning("command pid %s did not exit after SIGKILL; leaving it", proc.pid)
 
 
 def _parse_objects(text: str) -> list[dict]:
