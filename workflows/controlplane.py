@@ -2,10 +2,21 @@
 
 `run_once()` does one round and returns; `apiary run` calls it in a loop next
 to the embedded worker, and tests call it directly.
+
+Each source is read in a thread of its own (one poll in flight per source),
+because a command source may run for up to max(60 s, poll_interval) and the
+loop must keep reaping leases meanwhile. The thread only reads the source;
+`run_once()` takes its items when it is done and writes tasks and jobs from
+the loop's thread, so all database work stays on one connection. `poll()`
+does the same synchronously, for tests and one-off calls.
 """
 
+import dataclasses
 import logging
+import threading
 import time
+
+from django.db import DatabaseError, connections
 
 from jobqueue import services as queue
 from jobqueue.clock import Clock
@@ -14,8 +25,21 @@ from jobqueue.selectors import BLOCKED_LIMIT, blocked_reasons
 
 from . import services, sources
 from .config import Config
+from .models import Task
 
 log = logging.getLogger("apiary.controlplane")
+
+ITEM_KEY_MAX = Task._meta.get_field("item_key").max_length
+KEY_PREVIEW = 80  # characters of an item key quoted in a log line
+
+
+@dataclasses.dataclass
+class _Poll:
+    """One source poll running in its thread; `items` or `error` once it ended."""
+
+    thread: threading.Thread
+    items: list[sources.Item] | None = None
+    error: str | None = None
 
 
 class ControlPlane:
@@ -24,35 +48,102 @@ class ControlPlane:
         self.clock = clock
         self.reap_interval = reap_interval
         self.next_poll = dict.fromkeys(config.sources, 0.0)
-        self.polled: set[str] = set()
+        self.polled: set[str] = set()  # polled at least once, successfully or not
         self.next_reap = 0.0
+        self._failed: set[str] = set()  # whose last poll failed
+        self._running: dict[str, _Poll] = {}
 
     def run_once(self) -> None:
+        """Take the items of finished polls, start the polls that are due, reap.
+        Never waits for a source."""
+        self.collect()
         now = time.monotonic()
         for source_id, due in self.next_poll.items():
-            if now >= due:
-                self.poll(source_id)
-                self.next_poll[source_id] = time.monotonic() + self.config.sources[source_id].poll_interval
+            if now >= due and source_id not in self._running:
+                self._running[source_id] = self._start(source_id)
         if now >= self.next_reap:
             self.reap()
             self.next_reap = now + self.reap_interval
 
+    def collect(self) -> int:
+        """Dispatch what the finished background polls found; returns the jobs created."""
+        created = 0
+        for source_id, running in list(self._running.items()):
+            if running.thread.is_alive():
+                continue
+            del self._running[source_id]
+            self.next_poll[source_id] = time.monotonic() + self.config.sources[source_id].poll_interval
+            created += self._settle(source_id, running.items, running.error)
+        return created
+
     def poll(self, source_id: str) -> int:
-        """Poll one source and dispatch what is new; returns the jobs created. A
-        failing source is logged and tried again next interval; its known
-        tasks are untouched."""
-        source = self.config.sources[source_id]
+        """Poll one source now, in this thread, and dispatch what is new; returns
+        the jobs created. A failing source is logged and tried again next
+        interval; its known tasks are untouched."""
         try:
-            # A command source runs in the config's folder, wherever the daemon was started.
-            items = sources.poll(source, cwd=self.config.path.parent)
+            items, error = self._read(source_id), None
         except sources.SourceError as exc:
-            log.warning("source %s: poll failed, will retry in %ss: %s", source_id, source.poll_interval, exc)
+            items, error = None, str(exc)
+        return self._settle(source_id, items, error)
+
+    def failed_sources(self) -> set[str]:
+        """Sources whose last poll failed (none of their items is new since)."""
+        return set(self._failed)
+
+    def _read(self, source_id: str) -> list[sources.Item]:
+        # A command source runs in the config's folder, wherever the daemon was started.
+        return sources.poll(self.config.sources[source_id], cwd=self.config.path.parent)
+
+    def _start(self, source_id: str) -> _Poll:
+        def run() -> None:
+            try:
+                running.items = self._read(source_id)
+            except sources.SourceError as exc:
+                running.error = str(exc)
+            except Exception as exc:
+                # Nobody is there to catch it: a bug in a source must not kill the source for good.
+                log.exception("source %s: poll raised", source_id)
+                running.error = f"poll raised {exc!r}"
+            finally:
+                connections.close_all()  # this thread's own, if anything in it opened one
+
+        running = _Poll(thread=threading.Thread(target=run, name=f"poll-{source_id}", daemon=True))
+        running.thread.start()
+        return running
+
+    def _settle(self, source_id: str, items: list[sources.Item] | None, error: str | None) -> int:
+        """Record how a poll ended and dispatch its items. A poll that failed
+        counts as polled, so `--until-idle` does not wait for a source that
+        fails every time (the daemon warns about `failed_sources()` instead)."""
+        if error is not None:
+            interval = self.config.sources[source_id].poll_interval
+            log.warning("source %s: poll failed, will retry in %ss: %s", source_id, interval, error)
+            self._failed.add(source_id)
+            self.polled.add(source_id)
             return 0
+        created = self._dispatch(source_id, items or [])
+        self._failed.discard(source_id)
+        self.polled.add(source_id)
+        return created
+
+    def _dispatch(self, source_id: str, items: list[sources.Item]) -> int:
+        """Task and jobs for each item. An item the database cannot take is
+        logged and skipped; the others go on (it is tried again next poll)."""
+        source = self.config.sources[source_id]
         created = 0
         for item in items:
-            task, _ = services.task_sync(source=source, item=item, clock=self.clock)
-            created += len(services.dispatch(config=self.config, task=task, workflows=source.workflows, clock=self.clock))
-        self.polled.add(source_id)
+            preview = item.key[:KEY_PREVIEW] + ("…" if len(item.key) > KEY_PREVIEW else "")
+            if len(item.key) > ITEM_KEY_MAX:
+                log.warning(
+                    "source %s: skipping item %r: its id is %d characters, a task key holds at most %d",
+                    source_id, preview, len(item.key), ITEM_KEY_MAX,
+                )
+                continue
+            try:
+                task, _ = services.task_sync(source=source, item=item, clock=self.clock)
+                created += len(services.dispatch(config=self.config, task=task, workflows=source.workflows, clock=self.clock))
+            except (DatabaseError, ValueError) as exc:
+                log.error("source %s: skipping item %r: cannot store it: %s", source_id, preview, exc)
         return created
 
     def reap(self) -> int:
@@ -80,7 +171,8 @@ class ControlPlane:
         return blocked
 
     def idle(self) -> bool:
-        """Every source polled at least once and no job queued or leased."""
+        """Every source polled at least once (a failed poll counts: see
+        `failed_sources()`) and no job queued or leased."""
         return self.polled >= set(self.config.sources) and not Job.objects.filter(
             state__in=(JobState.QUEUED, JobState.LEASED)
         ).exists()

@@ -15,6 +15,7 @@ from django.db import transaction
 from jobqueue import services as queue
 from jobqueue.clock import Clock, get_clock
 from jobqueue.models import Job
+from jobqueue.sql import clean
 
 from .config import Config, SourceConfig
 from .models import Task
@@ -32,11 +33,13 @@ def task_sync(*, source: SourceConfig, item: Item, clock: Clock | None = None) -
     `redispatch_on_change: true` — otherwise its text is refreshed in place.
     """
     now = (clock or get_clock()).now()
-    fields = {"title": item.title, "body": item.body, "payload": item.payload}
-    task = Task.objects.filter(source=source.id, item_key=item.key).first()
+    # NUL (refused by PostgreSQL) and lone surrogates (not UTF-8) become U+FFFD, on every backend alike.
+    key = clean(item.key)
+    fields = {"title": clean(item.title), "body": clean(item.body), "payload": clean(item.payload)}
+    task = Task.objects.filter(source=source.id, item_key=key).first()
     if task is None:
         task = Task.objects.create(
-            source=source.id, item_key=item.key, generation=1, content_hash=item.content_hash,
+            source=source.id, item_key=key, generation=1, content_hash=item.content_hash,
             created_at=now, updated_at=now, **fields,
         )
         return task, True
@@ -55,8 +58,8 @@ def task_add(*, source: str, title: str, body: str = "", payload: dict | None = 
     """A task created by hand (`apiary task add`)."""
     now = (clock or get_clock()).now()
     return Task.objects.create(
-        source=source, item_key=f"manual-{uuid.uuid4().hex[:12]}", title=title, body=body,
-        payload=payload or {}, created_at=now, updated_at=now,
+        source=source, item_key=f"manual-{uuid.uuid4().hex[:12]}", title=clean(title), body=clean(body),
+        payload=clean(payload or {}), created_at=now, updated_at=now,
     )
 
 

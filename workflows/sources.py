@@ -315,7 +315,8 @@ def _object_item(obj: dict) -> Item:
         title=title,
         body=body,
         payload={k: v for k, v in obj.items() if k not in _RESERVED},
-        content_hash=hashlib.sha256(canonical.encode()).hexdigest(),
+        # surrogatepass: a lone surrogate from JSON ("\ud800") must not fail the whole poll.
+        content_hash=hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest(),
         updated_at=None if updated is None else str(updated),
     )
 
