@@ -103,6 +103,8 @@ class Command(BaseCommand):
                 if options["until_idle"] and control.polled >= set(config.sources) and (runtime is None or runtime.idle()):
                     if control.idle():
                         log.info("idle: every source polled, no job queued or leased")
+                        for source_id in sorted(control.failed_sources()):
+                            log.warning("source %s failed its last poll: its items may be missing", source_id)
                         break
                     stuck = control.stuck()
                     if stuck and stuck == stuck_before:  # the same verdict twice in a row, not a passing state
