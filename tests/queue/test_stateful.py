@@ -56,6 +56,9 @@ from tests.factories import snapshot
 from workers.models import Worker
 from workflows.models import Task, WorkflowInstance
 
+# How a stale token is turned away: stale, or superseded when its worker id has registered again since.
+REFUSED = (StaleAttempt, SessionSuperseded)
+
 LEASE = 10.0
 LIMITS = Limits(
     defaults={"project": 2},
@@ -365,7 +368,7 @@ class QueueMachine(RuleBasedStateMachine):
     def _heartbeat(self, a: MAttempt, token: str, stale: bool):
         call = lambda: services.attempt_heartbeat(attempt_id=a.id, token=token)  # noqa: E731
         if stale:
-            self._expect_unchanged(call, StaleAttempt)
+            self._expect_unchanged(call, REFUSED)
             return
         hb = call()
         assert hb.cancel == self.jobs[a.job_id].cancel_requested
@@ -381,7 +384,7 @@ class QueueMachine(RuleBasedStateMachine):
             assert snapshot() == before
             return
         if wrong_token or not self._live(a):
-            self._expect_unchanged(call, StaleAttempt)
+            self._expect_unchanged(call, REFUSED)
             return
         if job.cancel_requested or outcome == AttemptState.CANCELLED:
             expected = JobState.CANCELLED
