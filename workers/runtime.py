@@ -264,12 +264,15 @@ class WorkerRuntime:
 
     def _heartbeat_loop(self) -> None:
         tick = min(0.2, self.registration.heartbeat_interval / 4)
-        while not self.stopped.is_set():
-            try:
-                self.heartbeat_once()
-            except Exception:  # keep beating: a dead heartbeat thread would let every lease run out
-                log.exception("worker %s: heartbeat round failed", self.spec.worker_id)
-            self.stopped.wait(tick)
+        try:
+            while not self.stopped.is_set():
+                try:
+                    self.heartbeat_once()
+                except Exception:  # keep beating: a dead heartbeat thread would let every lease run out
+                    log.exception("worker %s: heartbeat round failed", self.spec.worker_id)
+                self.stopped.wait(tick)
+        finally:
+            self.transport.close()  # this thread's database connection (in-process transport)
 
     def heartbeat_once(self) -> None:
         now = self.monotonic()
