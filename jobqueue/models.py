@@ -92,12 +92,18 @@ class RequirementSet(models.Model):
         canonical = json.dumps([pool, sorted(set(labels)), sorted(set(capabilities)), *keys], separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
-    def satisfied_by(self, *, pool: str | None, labels: set[str], capabilities: set[str]) -> bool:
+    @staticmethod
+    def met(need_pool, need_labels, need_capabilities, *, pool: str | None, labels: set[str], capabilities: set[str]) -> bool:
+        """DESIGN §3.3: the worker's pool equals the job's (when it has one), its
+        labels and capabilities include the job's. The claim and status share it."""
         return (
-            (self.pool is None or self.pool == pool)
-            and labels.issuperset(self.labels)
-            and capabilities.issuperset(self.capabilities)
+            (need_pool is None or need_pool == pool)
+            and labels.issuperset(need_labels)
+            and capabilities.issuperset(need_capabilities)
         )
+
+    def satisfied_by(self, *, pool: str | None, labels: set[str], capabilities: set[str]) -> bool:
+        return self.met(self.pool, self.labels, self.capabilities, pool=pool, labels=labels, capabilities=capabilities)
 
     def __str__(self) -> str:
         return f"pool={self.pool or '*'} labels={self.labels} capabilities={self.capabilities}"

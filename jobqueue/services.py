@@ -297,7 +297,7 @@ class _RequirementCache:
         return [
             (pk, keys)
             for pk, (need_pool, need_labels, need_caps, keys) in known
-            if (need_pool is None or need_pool == pool) and need_labels <= labels and need_caps <= capabilities
+            if RequirementSet.met(need_pool, need_labels, need_caps, pool=pool, labels=labels, capabilities=capabilities)
         ]
 
 
