@@ -460,6 +460,11 @@ def test_a_job_for_a_pool_no_worker_serves_is_listed_as_blocked_with_the_reason(
     assert daemon.wait(timeout=30) == 0
     assert (jobs(db)[0]["state"], jobs(db)[0]["attempt_count"]) == ("queued", 0)
 
+    # --until-idle does not wait forever for it: exit 3, naming the job and why.
+    idle = run("runapiary", "--until-idle", config=config)
+    assert idle.returncode == 3, idle.stderr
+    assert f"blocked: job {job['id']}: no worker in pool build" in idle.stderr
+
 
 # ----------------------------------------------------------------------------- 8. task add
 
