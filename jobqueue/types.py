@@ -1,0 +1,59 @@
+"""What crosses the queue's boundary: the values a worker gets back from a
+claim or a heartbeat, the retry policy a job carries, and the few constants
+both ends of the protocol must agree on.
+
+Nothing here touches the database, so a remote worker (which has none)
+imports these freely; jobqueue.services returns them and workers.http builds
+them from the wire.
+"""
+
+import dataclasses
+import datetime as dt
+import re
+
+WORKER_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+WORKER_ID_RE = re.compile(WORKER_ID_PATTERN)
+WORKER_ID_HINT = "1–128 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
+
+# The outcomes a worker may report for an attempt (AttemptState's terminal values but `expired`,
+# which only the control plane decides).
+OUTCOMES = ("succeeded", "failed", "cancelled")
+
+# The keys of a claimed job that are the queue's own; a job's payload may use any other
+# key (the protocol sends payload keys beside these, see jobqueue.api.serializers.claimed_job).
+CLAIM_FIELDS = frozenset(
+    {"job_id", "attempt_id", "attempt_number", "token", "lease_expires_at", "agent", "runner"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """Retry policy for attempts that finish `failed` (expiries count against
+    `max_attempts` instead): up to `max_attempts` failures in all, waiting an
+    exponential, capped, jittered backoff between them."""
+
+    max_attempts: int = 1
+    backoff: float = 0.0
+    backoff_max: float = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A leased job, as a worker needs it. `token` is the only copy of the
+    attempt's secret. `payload` is what the enqueuer stored, unchanged: the
+    queue never reads it."""
+
+    job_id: int
+    attempt_id: int
+    attempt_number: int
+    token: str
+    lease_expires_at: dt.datetime
+    agent: str
+    runner: str
+    payload: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    lease_expires_at: dt.datetime
+    cancel: bool
