@@ -65,8 +65,8 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "jobqueue.apps.JobQueueConfig",
-    "workers.apps.WorkersConfig",
     "workflows.apps.WorkflowsConfig",
+    "apiary_site",  # the management commands: they parse arguments and wire the layers
 ]
 
 MIDDLEWARE = [

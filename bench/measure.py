@@ -89,13 +89,18 @@ def run_throughput(spec: dict) -> dict:
 
     from jobqueue import services
     from jobqueue.models import Attempt, Job, JobState
+    from workflows.payload import payload_of
 
     facts = database_facts()
     jobs, procs = spec["jobs"], spec["procs"]
     tasks = make_tasks(jobs, prefix="tp")
     started, cpu = time.perf_counter(), time.process_time()
-    for task in tasks:
-        services.job_enqueue(task=task, workflow="bench", agent="engineer", runner="shell", project="bench")
+    for i, task in enumerate(tasks):
+        # A workflow job as dispatch makes it: the task snapshot as payload, the workflow capabilities.
+        services.job_enqueue(
+            key=f"{task.pk}:1:bench", payload=payload_of(workflow="bench", instance_id=i + 1, task=task),
+            agent="engineer", runner="shell", project="bench", source=task.source, capabilities=CAPABILITIES,
+        )
     enqueue_s, enqueue_cpu = time.perf_counter() - started, time.process_time() - cpu
     connection.close()  # the claimers own the database from here
 
@@ -194,7 +199,7 @@ def fill(depth: int, *, ineligible: int = 0) -> None:
     from django.db import transaction
 
     from jobqueue.models import Job, RequirementSet
-    from workflows.models import WorkflowInstance
+    from workflows.payload import payload_of
 
     now = dt.datetime.now(dt.UTC)
     with transaction.atomic():
@@ -218,18 +223,12 @@ def fill(depth: int, *, ineligible: int = 0) -> None:
         )
         total = ineligible + depth
         tasks = make_tasks(total, prefix="depth")
-        instances = WorkflowInstance.objects.bulk_create(
-            [WorkflowInstance(task=t, generation=1, workflow="bench", created_at=now) for t in tasks], batch_size=2000
-        )
         # Spread available_at over the past so the order index has real work to do.
         Job.objects.bulk_create(
             [
                 Job(
                     key=f"{t.pk}:1:bench",
-                    task=t,
-                    instance=inst,
-                    generation=1,
-                    workflow="bench",
+                    payload=payload_of(workflow="bench", instance_id=i + 1, task=t),
                     project="bench",
                     source="bench",
                     agent="engineer",
@@ -238,7 +237,7 @@ def fill(depth: int, *, ineligible: int = 0) -> None:
                     available_at=now - dt.timedelta(seconds=total - i),
                     created_at=now,
                 )
-                for i, (t, inst) in enumerate(zip(tasks, instances, strict=True))
+                for i, t in enumerate(tasks)
             ],
             batch_size=2000,
         )

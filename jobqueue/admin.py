@@ -9,8 +9,10 @@ while `has_change_permission` stays False so no form ever edits a row.
 from django.contrib import admin, messages
 
 from . import services
+from .clock import get_clock
 from .exceptions import QueueError
-from .models import Affinity, Attempt, Job, JobEvent, JobState, RequirementSet
+from .models import Affinity, Attempt, Job, JobEvent, JobState, RequirementSet, Worker
+from .selectors import worker_health, workers_with_active_jobs
 
 
 class ReadOnlyMixin:
@@ -84,19 +86,20 @@ def cancel_results(request, modeladmin, jobs, call) -> None:
             modeladmin.message_user(request, f"{what}: job {', '.join(ids)}", messages.SUCCESS)
 
 
-def release_results(request, modeladmin, task_ids) -> None:
+def release_results(request, modeladmin, keys) -> None:
+    """Release each affinity key (one service call each) and say which were pinned."""
     released, unpinned = [], []
-    for task_id in sorted(set(task_ids)):
-        (released if services.affinity_release(task_id=task_id) else unpinned).append(str(task_id))
+    for key in sorted(set(k for k in keys if k)):
+        (released if services.affinity_release(key=key) else unpinned).append(key)
     if released:
-        modeladmin.message_user(request, f"affinity released: task {', '.join(released)}", messages.SUCCESS)
+        modeladmin.message_user(request, f"affinity released: {', '.join(released)}", messages.SUCCESS)
     if unpinned:
-        modeladmin.message_user(request, f"not pinned: task {', '.join(unpinned)}", messages.INFO)
+        modeladmin.message_user(request, f"not pinned: {', '.join(unpinned)}", messages.INFO)
 
 
 @admin.register(Job)
 class JobAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
-    list_display = ("id", "key", "state", "workflow", "agent", "runner", "pool", "attempt_count", "created_at")
+    list_display = ("id", "key", "state", "agent", "runner", "pool", "attempt_count", "created_at")
     list_filter = ("state", "pool", "agent", "runner")
     search_fields = ("key",)
     ordering = ("-id",)
@@ -109,22 +112,21 @@ class JobAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     def cancel_jobs(self, request, queryset):
         cancel_results(request, self, queryset, lambda job: services.job_cancel(job_id=job.pk))
 
-    @admin.action(description="Release affinity of the selected jobs' tasks", permissions=("operate",))
+    @admin.action(description="Release affinity of the selected jobs", permissions=("operate",))
     def release_affinity(self, request, queryset):
-        release_results(request, self, queryset.values_list("task_id", flat=True))
+        release_results(request, self, queryset.values_list("affinity_key", flat=True))
 
 
 @admin.register(Affinity)
 class AffinityAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
-    list_display = ("task", "worker_id", "pinned_at")
+    list_display = ("key", "worker_id", "pinned_at")
     list_filter = ("worker_id",)
-    search_fields = ("worker_id", "task__item_key")
-    list_select_related = ("task",)
+    search_fields = ("worker_id", "key")
     actions = ("release",)
 
     @admin.action(description="Release selected pins", permissions=("operate",))
     def release(self, request, queryset):
-        release_results(request, self, queryset.values_list("task_id", flat=True))
+        release_results(request, self, queryset.values_list("key", flat=True))
 
 
 @admin.register(JobEvent)
@@ -140,3 +142,56 @@ class JobEventAdmin(ReadOnlyMixin, admin.ModelAdmin):
 class RequirementSetAdmin(ReadOnlyMixin, admin.ModelAdmin):
     list_display = ("id", "pool", "labels", "capabilities")
     exclude = ("digest",)
+
+
+@admin.register(Worker)
+class WorkerAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
+    list_display = (
+        "worker_id",
+        "pool",
+        "health",
+        "capacity",
+        "active_jobs",
+        "draining",
+        "drain_requested",
+        "ready",
+        "last_heartbeat_at",
+        "embedded",
+    )
+    list_filter = ("pool", "draining", "drain_requested", "ready", "embedded")
+    search_fields = ("worker_id", "hostname")
+    # The session identifies the worker's live process on every protocol call: not for screens.
+    exclude = ("session",)
+    readonly_fields = ("health", "active_jobs")
+    actions = ("drain", "undrain")
+
+    def get_queryset(self, request):
+        return workers_with_active_jobs(now=get_clock().now())
+
+    @admin.display(description="health")
+    def health(self, obj: Worker) -> str:
+        return worker_health(obj, now=get_clock().now())
+
+    @admin.display(description="active jobs", ordering="live_attempts")
+    def active_jobs(self, obj: Worker) -> int:
+        return obj.live_attempts
+
+    def _each(self, request, queryset, call, verb: str) -> None:
+        done = []
+        for worker in queryset:
+            try:
+                call(worker_id=worker.worker_id)
+            except QueueError as exc:
+                self.message_user(request, f"worker {worker.worker_id}: {exc.message}", messages.ERROR)
+                continue
+            done.append(worker.worker_id)
+        if done:
+            self.message_user(request, f"{verb}: {', '.join(done)}", messages.SUCCESS)
+
+    @admin.action(description="Drain selected workers (stop claiming, finish, exit)", permissions=("operate",))
+    def drain(self, request, queryset):
+        self._each(request, queryset, services.worker_drain, "drain requested")
+
+    @admin.action(description="Undrain selected workers", permissions=("operate",))
+    def undrain(self, request, queryset):
+        self._each(request, queryset, services.worker_undrain, "drain request withdrawn")

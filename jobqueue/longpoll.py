@@ -11,6 +11,7 @@ import time
 from django.conf import settings
 
 from jobqueue import services
+from jobqueue.types import Claim
 
 DEFAULT_POLL_INTERVAL = 0.3  # seconds between claim attempts of a long-poll, before jitter
 
@@ -25,7 +26,7 @@ def poll_interval() -> float:
     return float(getattr(settings, "APIARY_CLAIM_POLL_INTERVAL", DEFAULT_POLL_INTERVAL))
 
 
-def claim_with_wait(*, worker_id: str, session: str, max_jobs: int, wait: float) -> list[services.Claim]:
+def claim_with_wait(*, worker_id: str, session: str, max_jobs: int, wait: float) -> list[Claim]:
     """Claim; with `wait` > 0 and nothing claimable, claim again after short
     jittered sleeps until something is claimed or `wait` seconds pass. Each
     claim is its own short transaction: nothing is held while sleeping, so

@@ -1,4 +1,5 @@
-"""The durable queue: jobs, their fenced attempts, affinity pins and history.
+"""The durable queue: jobs, their fenced attempts, affinity pins, history and
+the registry of workers that claim them.
 
 Rows here change only through jobqueue.services; the admin shows them read-only.
 """
@@ -110,11 +111,13 @@ class RequirementSet(models.Model):
 
 
 class Job(models.Model):
-    key = models.CharField(max_length=512, unique=True, help_text="task:generation:workflow")
-    task = models.ForeignKey("workflows.Task", on_delete=models.CASCADE, related_name="jobs")
-    instance = models.OneToOneField("workflows.WorkflowInstance", on_delete=models.CASCADE, related_name="job")
-    generation = models.PositiveIntegerField()
-    workflow = models.CharField(max_length=128)
+    """One unit of work in the queue: an opaque payload, where it may run
+    (its requirement set and affinity key) and what it counts against (its
+    limit keys). The queue never reads the payload; the enqueuer wrote it and
+    every claim hands it to the worker unchanged."""
+
+    key = models.CharField(max_length=512, unique=True, help_text="the enqueuer's dedup key")
+    payload = models.JSONField(default=dict, blank=True)
     # Limit keys (and, for pool, also a requirement).
     project = models.CharField(max_length=128)
     source = models.CharField(max_length=128)
@@ -122,13 +125,14 @@ class Job(models.Model):
     runner = models.CharField(max_length=64)
     pool = models.CharField(max_length=128, null=True, blank=True)
     requirements = models.ForeignKey(RequirementSet, on_delete=models.PROTECT, related_name="jobs")
-    affinity = models.BooleanField(default=False)
+    # Jobs with the same affinity key run on the worker that claimed the first of them.
+    affinity_key = models.CharField(max_length=255, null=True, blank=True)
     priority = models.IntegerField(default=0)
     state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.QUEUED)
     available_at = models.DateTimeField()
     attempt_count = models.PositiveIntegerField(default=0)
     max_attempts = models.PositiveIntegerField(default=5)
-    # Workflow retry policy for attempts that finish `failed` (not for expiries).
+    # Retry policy for attempts that finish `failed` (not for expiries).
     retry_max_attempts = models.PositiveIntegerField(default=1)
     retry_backoff = models.FloatField(default=0.0)
     retry_backoff_max = models.FloatField(default=300.0)
@@ -151,7 +155,7 @@ class Job(models.Model):
                 condition=Q(state="queued"),
             ),
             models.Index(fields=["state"], name="job_state"),
-            models.Index(fields=["task", "state"], name="job_task_state"),
+            models.Index(fields=["affinity_key"], name="job_affinity", condition=Q(affinity_key__isnull=False)),
         ]
 
     def __str__(self) -> str:
@@ -167,7 +171,7 @@ class Attempt(models.Model):
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
     number = models.PositiveIntegerField()
-    worker = models.ForeignKey("workers.Worker", on_delete=models.PROTECT, related_name="attempts")
+    worker = models.ForeignKey("Worker", on_delete=models.PROTECT, related_name="attempts")
     session = models.CharField(max_length=64)
     token_hash = models.CharField(max_length=64)
     state = models.CharField(max_length=16, choices=AttemptState.choices, default=AttemptState.ACTIVE)
@@ -192,9 +196,9 @@ class Attempt(models.Model):
 
 
 class Affinity(models.Model):
-    """A task pinned to the worker that first claimed one of its affinity jobs."""
+    """An affinity key pinned to the worker that first claimed one of its jobs."""
 
-    task = models.OneToOneField("workflows.Task", on_delete=models.CASCADE, related_name="affinity")
+    key = models.CharField(max_length=255, primary_key=True)
     worker_id = models.CharField(max_length=128)
     pinned_at = models.DateTimeField()
 
@@ -202,7 +206,7 @@ class Affinity(models.Model):
         verbose_name_plural = "affinities"
 
     def __str__(self) -> str:
-        return f"task {self.task_id} → {self.worker_id}"
+        return f"{self.key} → {self.worker_id}"
 
 
 class JobEvent(models.Model):
@@ -221,3 +225,36 @@ class JobEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} job {self.job_id} {self.kind}"
+
+
+class Worker(models.Model):
+    """A process that claims jobs: the embedded worker or a remote one.
+
+    `session` changes on every registration; calls carrying an older session
+    are answered `session_superseded`. Health is computed from
+    `last_heartbeat_at` and `worker_timeout` (jobqueue.selectors), not stored.
+    """
+
+    worker_id = models.CharField(primary_key=True, max_length=128)
+    pool = models.CharField(max_length=128, null=True, blank=True)
+    labels = models.JSONField(default=list)
+    capabilities = models.JSONField(default=list)
+    capacity = models.PositiveIntegerField(default=1)
+    session = models.CharField(max_length=64)
+    embedded = models.BooleanField(default=False)
+    # What the worker says of itself in its heartbeats...
+    draining = models.BooleanField(default=False)
+    ready = models.BooleanField(default=True)
+    # ...and what an operator asked of it (answered as `drain: true`).
+    drain_requested = models.BooleanField(default=False)
+    version = models.CharField(max_length=64, blank=True, default="")
+    hostname = models.CharField(max_length=255, blank=True, default="")
+    pid = models.IntegerField(null=True, blank=True)
+    registered_at = models.DateTimeField()
+    last_heartbeat_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["worker_id"]
+
+    def __str__(self) -> str:
+        return self.worker_id

@@ -1,35 +1,108 @@
-"""SQL of the hot path: claim, heartbeat and finish.
+"""Every SQL statement of the queue services, and the helpers that run them.
 
-These three run once or more per job per worker, and the ORM's query
-compilation costs several times what SQLite needs to execute them (measured:
-about 4.8 ms per claim+finish through the ORM against well under 1 ms as SQL),
-so jobqueue.services runs them as plain statements. The statements are plain
-SQL that SQLite and PostgreSQL both accept; the PostgreSQL-only row locks are
-appended by the callers. Every other service uses the ORM.
+The hot path (claim, heartbeat, finish) runs once or more per job per worker,
+and the ORM's query compilation costs several times what SQLite needs to
+execute it (measured: about 4.8 ms per claim+finish through the ORM against
+well under 1 ms as SQL), so the services run plain statements. They are SQL
+that SQLite and PostgreSQL both accept; where a statement differs by backend
+(row locks, an index hint), the builder below takes `postgres` and says why.
+
+Statements with a variable number of terms (IN lists, UNIONs, SET clauses)
+are built here from placeholders only: no value is ever formatted into SQL,
+and column names come from fixed tuples.
 """
 
+import functools
 import json
-import re
 
 from django.db import connection
+
+from .text import clean
+
+# --------------------------------------------------------------------------- claim
 
 WORKER_FOR_CLAIM = """
 SELECT w.session, w.pool, w.labels, w.capabilities, w.capacity, w.draining, w.ready, w.drain_requested,
        (SELECT COUNT(*) FROM queue_attempt a
          WHERE a.worker_id = w.worker_id AND a.state = 'active' AND a.lease_expires_at > %s)
-  FROM workers_worker w
+  FROM queue_worker w
  WHERE w.worker_id = %s
 """
 
-REQUIREMENT_SETS = """
-SELECT id, pool, labels, capabilities, project, source, agent, runner
-  FROM queue_requirementset WHERE id > %s ORDER BY id
-"""
+# PostgreSQL: serialise the claims of one worker before counting its attempts (see jobs_claim).
+LOCK_WORKER = "SELECT 1 FROM queue_worker WHERE worker_id = %s FOR UPDATE"
 
-CANDIDATE_COLUMNS = (
-    "j.id, j.attempt_count, j.workflow, j.instance_id, j.agent, j.runner, j.project, j.source, j.pool, j.affinity,"
-    " j.task_id, t.source, t.item_key, t.generation, t.title, t.body, t.payload"
+REQUIREMENT_SET_COLUMNS = "id, pool, labels, capabilities, project, source, agent, runner"
+
+
+def requirement_sets(gaps: int) -> str:
+    """Requirement sets newer than an id, plus `gaps` ids below it not seen yet."""
+    where = "id > %s" + (f" OR id IN ({placeholders(gaps)})" if gaps else "")
+    return f"SELECT {REQUIREMENT_SET_COLUMNS} FROM queue_requirementset WHERE {where} ORDER BY id"
+
+
+@functools.lru_cache(maxsize=64)
+def live_counts(dimensions: tuple[str, ...], keyed_dimensions: tuple[str, ...]) -> str:
+    """Live (active, unexpired) attempts grouped by their jobs' keys in
+    `dimensions` (parameters: now, then one key per `keyed_dimensions` entry:
+    only attempts whose job has one of those keys are counted)."""
+    columns = ", ".join(f"j.{d}" for d in dimensions)
+    where = "a.state = 'active' AND a.lease_expires_at > %s"
+    if keyed_dimensions:
+        where += " AND (" + " OR ".join(f"j.{d} = %s" for d in keyed_dimensions) + ")"
+    return (
+        f"SELECT {columns}, COUNT(*) FROM queue_attempt a JOIN queue_job j ON j.id = a.job_id"
+        f" WHERE {where} GROUP BY {columns}"
+    )
+
+
+LOCK_LIMIT_KEYS = "SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest(%s::bigint[]) AS k"
+
+TRY_LOCK_PIN = "SELECT pg_try_advisory_xact_lock(%s, %s)"
+
+INSERT_PIN = "INSERT INTO queue_affinity (key, worker_id, pinned_at) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING"
+
+PIN_OF = "SELECT worker_id FROM queue_affinity WHERE key = %s"
+
+# One class's queued jobs in claim order, skipping affinity jobs pinned to another worker.
+_WALK = (
+    "SELECT j.id, j.priority, j.available_at FROM queue_job j{hint}"
+    " LEFT JOIN queue_affinity af ON af.key = j.affinity_key"
+    " WHERE j.state = 'queued' AND j.requirements_id = %s AND j.available_at <= %s"
+    " AND (j.affinity_key IS NULL OR af.worker_id IS NULL OR af.worker_id = %s){skip}"
+    " ORDER BY j.priority DESC, j.available_at, j.id LIMIT %s"
 )
+
+
+@functools.lru_cache(maxsize=256)
+def candidate_walk(classes: int, skipped: int, postgres: bool) -> str:
+    """The union of `classes` short walks (parameters per walk: class id, now,
+    worker id, the `skipped` job ids, limit), merged and cut (last parameter: limit).
+    SQLite without ANALYZE statistics may prefer another index and sort, so it
+    is told to use the claim-order index; PostgreSQL picks it by itself."""
+    walk = _WALK.format(
+        hint="" if postgres else " INDEXED BY job_claim_order",
+        skip=f" AND j.id NOT IN ({placeholders(skipped)})" if skipped else "",
+    )
+    parts = [f"SELECT * FROM ({walk}) AS c{i}" for i in range(classes)]
+    return " UNION ALL ".join(parts) + " ORDER BY priority DESC, available_at, id LIMIT %s"
+
+
+CANDIDATE_COLUMNS = ("id", "attempt_count", "agent", "runner", "project", "source", "pool", "affinity_key", "payload")
+
+
+@functools.lru_cache(maxsize=256)
+def candidates(ids: int, postgres: bool) -> str:
+    """The chosen jobs, still queued, best first (parameters: now, the ids, limit).
+    On PostgreSQL they are locked, skipping rows another claimer holds, and the
+    LIMIT counts only rows it could lock."""
+    statement = (
+        f"SELECT {', '.join('j.' + c for c in CANDIDATE_COLUMNS)} FROM queue_job j"
+        f" WHERE j.state = 'queued' AND j.available_at <= %s AND j.id IN ({placeholders(ids)})"
+        " ORDER BY j.priority DESC, j.available_at, j.id LIMIT %s"
+    )
+    return statement + (" FOR UPDATE OF j SKIP LOCKED" if postgres else "")
+
 
 INSERT_ATTEMPT = """
 INSERT INTO queue_attempt (job_id, number, worker_id, session, token_hash, state, claimed_at, lease_expires_at,
@@ -38,21 +111,24 @@ VALUES (%s, %s, %s, %s, %s, 'active', %s, %s, '', '')
 RETURNING id
 """
 
-LEASE_JOB = """
-UPDATE queue_job SET state = 'leased', current_attempt_id = %s, attempt_count = attempt_count + 1
- WHERE id = %s AND state = 'queued'
-"""
-
 INSERT_EVENT = """
 INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VALUES (%s, %s, %s, %s, %s, %s)
 """
 
-FENCED_ATTEMPT = """
+# --------------------------------------------------------------------------- fenced calls
+
+
+def fenced_attempt(postgres: bool) -> str:
+    """An attempt with what heartbeat and finish decide on; on PostgreSQL the
+    attempt and job rows are locked for the rest of the transaction."""
+    return _FENCED_ATTEMPT + (" FOR UPDATE OF a, j" if postgres else "")
+
+
+_FENCED_ATTEMPT = """
 SELECT a.token_hash, a.state, a.lease_expires_at, a.lease_expires_at > %s, a.job_state, a.number, a.worker_id,
        j.id, j.state, j.current_attempt_id, j.cancel_requested_at IS NOT NULL, j.retry_max_attempts,
-       j.retry_backoff, j.retry_backoff_max, j.instance_id, j.task_id, j.generation,
-       a.session <> w.session
-  FROM queue_attempt a JOIN queue_job j ON j.id = a.job_id JOIN workers_worker w ON w.worker_id = a.worker_id
+       j.retry_backoff, j.retry_backoff_max, a.session <> w.session
+  FROM queue_attempt a JOIN queue_job j ON j.id = a.job_id JOIN queue_worker w ON w.worker_id = a.worker_id
  WHERE a.id = %s
 """
 
@@ -60,43 +136,47 @@ EXTEND_LEASE = """
 UPDATE queue_attempt SET lease_expires_at = %s, last_heartbeat_at = %s WHERE id = %s AND state = 'active'
 """
 
-END_ATTEMPT = """
-UPDATE queue_attempt SET state = %s, finished_at = %s, error = %s, job_state = %s WHERE id = %s AND state = 'active'
-"""
-
 FAILED_ATTEMPTS = "SELECT COUNT(*) FROM queue_attempt WHERE job_id = %s AND state = 'failed'"
 
-SETTLE_JOB = """
-UPDATE queue_job SET state = %s, summary = %s, finished_at = %s, reason = %s WHERE id = %s AND state = 'leased'
+EXPIRED_ATTEMPTS = "SELECT COUNT(*) FROM queue_attempt WHERE job_id = %s AND state = 'expired'"
+
+REQUEST_CANCEL = """
+UPDATE queue_job SET cancel_requested_at = %s, reason = %s
+ WHERE id = %s AND state = 'leased' AND cancel_requested_at IS NULL
 """
 
-REQUEUE_JOB = """
-UPDATE queue_job SET state = 'queued', available_at = %s, current_attempt_id = NULL WHERE id = %s AND state = 'leased'
-"""
+# --------------------------------------------------------------------------- guarded moves
 
-SETTLE_INSTANCE = "UPDATE workflows_workflowinstance SET state = %s, finished_at = %s, error = %s, summary = %s WHERE id = %s"
+# The columns a guarded move may set besides `state` (services.transitions).
+JOB_COLUMNS = frozenset(
+    {"available_at", "current_attempt_id", "attempt_count", "summary", "reason", "finished_at", "cancel_requested_at"}
+)
+ATTEMPT_COLUMNS = frozenset({"finished_at", "error", "job_state"})
 
-SETTLE_TASK = "UPDATE workflows_task SET state = %s, updated_at = %s WHERE id = %s AND generation = %s"
+
+@functools.lru_cache(maxsize=64)
+def move(table: str, columns: tuple[str, ...]) -> str:
+    """`UPDATE <table> SET state = %s, <columns> = %s … WHERE id = %s AND state = %s`:
+    the compare-and-set of one row's state (parameters: new state, the
+    columns' values, id, expected old state)."""
+    allowed = {"queue_job": JOB_COLUMNS, "queue_attempt": ATTEMPT_COLUMNS}[table]
+    unknown = set(columns) - allowed
+    if unknown:
+        raise ValueError(f"{table}: a guarded move cannot set {sorted(unknown)}")
+    sets = "".join(f", {c} = %s" for c in columns)
+    return f"UPDATE {table} SET state = %s{sets} WHERE id = %s AND state = %s"
+
+
+# --------------------------------------------------------------------------- values
+
+
+def placeholders(n: int) -> str:
+    return ", ".join(["%s"] * n)
 
 
 def ts(value):
     """A datetime as the backend stores it (text on SQLite)."""
     return connection.ops.adapt_datetimefield_value(value)
-
-
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
-def clean(value):
-    """Strings as both backends store them: NUL (refused by PostgreSQL text and
-    jsonb) and lone surrogates (not encodable as UTF-8) become U+FFFD."""
-    if isinstance(value, str):
-        return _UNSTORABLE.sub("\ufffd", value)
-    if isinstance(value, dict):
-        return {clean(k): clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [clean(v) for v in value]
-    return value
 
 
 def js(value) -> str:

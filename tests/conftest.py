@@ -35,6 +35,6 @@ def _fresh_requirement_cache():
     ids to different sets, so every test starts with an empty cache."""
     from jobqueue import services  # needs the app registry, ready only once pytest-django set Django up
 
-    services._requirements.reset()
+    services.requirement_cache.reset()
     yield
-    services._requirements.reset()
+    services.requirement_cache.reset()

@@ -6,10 +6,11 @@ from django.contrib.auth.models import Permission, User
 from django.urls import reverse
 
 from jobqueue import services
-from jobqueue.models import Affinity, Attempt, Job, JobEvent, JobState, RequirementSet
-from tests.factories import claim, enqueue, make_task, register
-from workers.models import Worker
-from workflows.models import StepRun, Task, WorkflowInstance
+from jobqueue.models import Affinity, Attempt, Job, JobEvent, JobState, RequirementSet, Worker
+from tests.factories import claim, enqueue, instance_id, make_task, register
+from workflows.models import StepRun, Task, TaskState, WorkflowInstance
+from workflows.selectors import task_state
+from workflows.services import affinity_key
 
 pytestmark = pytest.mark.django_db
 
@@ -47,7 +48,7 @@ def busy_queue(clock):
     [c] = claim(worker)
     queued = enqueue(pool="build", labels=["linux"])
     StepRun.objects.create(
-        instance_id=running.instance_id, attempt_number=1, step_id="plan", status="running", started_at=clock.now()
+        instance_id=instance_id(running), attempt_number=1, step_id="plan", status="running", started_at=clock.now()
     )
     return {"worker": worker, "task": task, "running": running, "queued": queued, "claim": c}
 
@@ -90,7 +91,7 @@ def test_job_page_shows_attempts_and_events_but_never_the_token_hash(admin_clien
 
 
 def test_instance_page_shows_step_history(admin_client, busy_queue):
-    page = admin_client.get(url(WorkflowInstance, "change", busy_queue["running"].instance_id)).content.decode()
+    page = admin_client.get(url(WorkflowInstance, "change", instance_id(busy_queue["running"]))).content.decode()
     assert "plan" in page and "running" in page
 
 
@@ -138,26 +139,30 @@ def test_cancel_action(admin_client, busy_queue):
 
 def test_instance_cancel_action(admin_client, busy_queue):
     queued = busy_queue["queued"]
-    act(admin_client, WorkflowInstance, "cancel_instances", [queued.instance_id])
+    act(admin_client, WorkflowInstance, "cancel_instances", [instance_id(queued)])
     queued.refresh_from_db()
     assert queued.state == JobState.CANCELLED
-    assert WorkflowInstance.objects.get(pk=queued.instance_id).state == JobState.CANCELLED
+    instance = WorkflowInstance.objects.select_related("job", "task").get(pk=instance_id(queued))
+    assert instance.job_id == queued.pk and instance.job.state == JobState.CANCELLED
+    assert task_state(instance.task) == TaskState.CANCELLED
 
 
 def test_release_affinity_actions(admin_client, busy_queue):
     task, running = busy_queue["task"], busy_queue["running"]
-    assert Affinity.objects.filter(task=task).exists()
+    key = affinity_key(task.pk)
+    assert running.affinity_key == key and Affinity.objects.filter(key=key).exists()
     text = act(admin_client, Job, "release_affinity", [running.pk])
-    assert f"affinity released: task {task.pk}" in text
-    assert not Affinity.objects.filter(task=task).exists()
+    assert f"affinity released: {key}" in text
+    assert not Affinity.objects.filter(key=key).exists()
     text = act(admin_client, Task, "release_affinity", [task.pk])
-    assert f"not pinned: task {task.pk}" in text
+    assert f"not pinned: {key}" in text
 
 
 def test_release_from_affinity_changelist(admin_client, busy_queue):
     task = busy_queue["task"]
-    act(admin_client, Affinity, "release", [Affinity.objects.get(task=task).pk])
-    assert not Affinity.objects.filter(task=task).exists()
+    key = affinity_key(task.pk)
+    act(admin_client, Affinity, "release", [Affinity.objects.get(key=key).pk])
+    assert not Affinity.objects.filter(key=key).exists()
 
 
 def test_worker_changelist_shows_computed_health_and_active_jobs(admin_client, busy_queue, clock, queue_config):

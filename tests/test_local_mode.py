@@ -102,8 +102,33 @@ def db_of(config: Path) -> Database:
     return Database(config.parent / ".apiary" / "apiary.db")
 
 
+# A workflow job's task and instance live in its payload (workflows/payload.py), not in queue columns.
+JOB_COLUMNS = (
+    "j.id, j.state, json_extract(j.payload, '$.task.id') AS task_id,"
+    " json_extract(j.payload, '$.instance_id') AS instance_id,"
+    " json_extract(j.payload, '$.task.generation') AS generation, j.attempt_count"
+)
+
+
 def jobs(db: Database) -> list:
-    return db.rows("SELECT id, state, task_id, instance_id, generation, attempt_count FROM queue_job ORDER BY id")
+    return db.rows(f"SELECT {JOB_COLUMNS} FROM queue_job j ORDER BY j.id")
+
+
+def job_of(db: Database, instance: int):
+    """The job of an instance, found through the instance's own `job_id` (and its payload must agree)."""
+    rows = db.rows(
+        f"SELECT {JOB_COLUMNS} FROM queue_job j JOIN workflows_workflowinstance i ON i.job_id = j.id WHERE i.id = ?",
+        instance,
+    )
+    assert all(row["instance_id"] == instance for row in rows), [tuple(r) for r in rows]
+    return rows[0] if rows else None
+
+
+def instance_state(db: Database, instance: int) -> str | None:
+    """An instance's state is its job's (the instance row keeps no copy)."""
+    return db.value(
+        "SELECT j.state FROM workflows_workflowinstance i JOIN queue_job j ON j.id = i.job_id WHERE i.id = ?", instance
+    )
 
 
 def attempts_per_job(db: Database) -> dict[int, int]:
@@ -149,7 +174,7 @@ def test_example_processes_every_item_exactly_once_and_redispatches_an_edited_fi
     assert tasks == {"fix-login.md": 1, "flaky-test.md": 1, "update-docs.md": 1}
     for row in rows:
         instance = row["instance_id"]
-        assert db.value("SELECT state FROM workflows_workflowinstance WHERE id = ?", instance) == "succeeded"
+        assert instance_state(db, instance) == "succeeded"
         steps = db.rows(
             "SELECT step_id, status, attempt_number, exit_code FROM workflows_steprun WHERE instance_id = ? ORDER BY id",
             instance,
@@ -261,8 +286,8 @@ def test_cancel_stops_a_running_step_and_its_whole_process_group(tmp_path, daemo
     assert cancelled.returncode == 0, cancelled.stderr
     wait_for(
         lambda: (
-            db.value("SELECT state FROM queue_job WHERE instance_id = ?", instance) == "cancelled"
-            and db.value("SELECT state FROM workflows_workflowinstance WHERE id = ?", instance) == "cancelled"
+            job_of(db, instance)["state"] == "cancelled"
+            and instance_state(db, instance) == "cancelled"
         ),
         timeout=CANCEL_DEADLINE,
         what="job and instance cancelled",
@@ -294,7 +319,7 @@ def test_a_successor_ends_the_steps_a_killed_daemon_left_and_runs_the_job_again(
     assert second.wait(timeout=RUN_TIMEOUT) == 0, second.tail()
     wait_group_gone(pgid, timeout=10)
     assert recorded_groups(state) == []
-    job = db.rows("SELECT id, state, attempt_count FROM queue_job WHERE instance_id = ?", instance)[0]
+    job = job_of(db, instance)
     assert (job["state"], job["attempt_count"]) == ("succeeded", 2)
     last = db.rows(
         "SELECT status, output_tail FROM workflows_steprun WHERE instance_id = ? AND attempt_number = 2", instance
@@ -333,8 +358,8 @@ def test_a_second_signal_stops_the_running_step_and_cancels_its_job(tmp_path, da
     daemon.send(signal.SIGTERM)
     assert daemon.wait(timeout=30) == 0, daemon.tail()
     wait_group_gone(pgid, timeout=CANCEL_DEADLINE)
-    assert db.value("SELECT state FROM queue_job WHERE instance_id = ?", instance) == "cancelled"
-    assert db.value("SELECT state FROM workflows_workflowinstance WHERE id = ?", instance) == "cancelled"
+    assert job_of(db, instance)["state"] == "cancelled"
+    assert instance_state(db, instance) == "cancelled"
     assert db.value("SELECT status FROM workflows_steprun WHERE instance_id = ?", instance) == "cancelled"
 
 
@@ -436,7 +461,7 @@ def test_a_job_for_a_pool_no_worker_serves_is_listed_as_blocked_with_the_reason(
     db = db_of(config)
     daemon = daemons(config)
     wait_for(
-        lambda: jobs(db) and db.value("SELECT count(*) FROM workers_worker WHERE worker_id = 'embedded'"),
+        lambda: jobs(db) and db.value("SELECT count(*) FROM queue_worker WHERE worker_id = 'embedded'"),
         timeout=STARTUP,
         what="the job dispatched and the embedded worker registered",
         daemon=daemon,

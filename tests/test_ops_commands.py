@@ -7,12 +7,12 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from apiary_site import cli
+from apiary_site.management.commands.status import render_status
 from jobqueue import services
-from jobqueue.management.commands.status import render_status
-from jobqueue.models import Affinity, Job, JobState
+from jobqueue.models import Affinity, Job, JobState, Worker
 from jobqueue.selectors import status_document
-from tests.factories import claim, enqueue, make_task, register
-from workers.models import Worker
+from tests.factories import claim, enqueue, instance_id, make_task, register, task_id
+from workflows.services import affinity_key
 
 pytestmark = pytest.mark.django_db
 
@@ -75,8 +75,8 @@ def test_status_text_table(clock, config_file):
     running_line = next(line for line in map(str.strip, out.splitlines()) if line.startswith(f"{running.pk} "))
     assert running_line.split() == [
         str(running.pk),
-        str(running.instance_id),
-        str(running.task_id),
+        str(instance_id(running)),
+        str(task_id(running)),
         "triage",
         "w1",
         "1",
@@ -153,11 +153,11 @@ def test_status_remote_needs_a_url_and_a_token(clock, monkeypatch):
 
 def test_cancel_queued_instance_at_once(clock):
     job = enqueue()
-    out = run("cancel", str(job.instance_id))
-    assert out.strip() == f"instance {job.instance_id} (job {job.pk}) cancelled"
+    out = run("cancel", str(instance_id(job)))
+    assert out.strip() == f"instance {instance_id(job)} (job {job.pk}) cancelled"
     job.refresh_from_db()
     assert job.state == JobState.CANCELLED
-    out = run("cancel", str(job.instance_id))
+    out = run("cancel", str(instance_id(job)))
     assert "already cancelled; nothing to cancel" in out
 
 
@@ -165,12 +165,12 @@ def test_cancel_running_instance_requests_it(clock):
     worker = register("w1")
     job = enqueue()
     [c] = claim(worker)
-    out = run("cancel", str(job.instance_id))
+    out = run("cancel", str(instance_id(job)))
     assert "cancel requested; the worker stops it at its next heartbeat" in out
     job.refresh_from_db()
     assert job.state == JobState.LEASED and job.cancel_requested_at == clock.now()
     assert services.attempt_heartbeat(attempt_id=c.attempt_id, token=c.token).cancel
-    assert "cancel was already requested" in run("cancel", str(job.instance_id))
+    assert "cancel was already requested" in run("cancel", str(instance_id(job)))
 
 
 def test_cancel_finished_instance_changes_nothing(clock):
@@ -178,7 +178,7 @@ def test_cancel_finished_instance_changes_nothing(clock):
     job = enqueue()
     [c] = claim(worker)
     services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
-    assert "already succeeded; nothing to cancel" in run("cancel", str(job.instance_id))
+    assert "already succeeded; nothing to cancel" in run("cancel", str(instance_id(job)))
     job.refresh_from_db()
     assert job.state == JobState.SUCCEEDED
 
@@ -196,9 +196,9 @@ def test_affinity_release(clock):
     task = make_task()
     enqueue(task, affinity=True)
     claim(worker)
-    assert Affinity.objects.filter(task=task).exists()
+    assert Affinity.objects.filter(key=affinity_key(task.pk)).exists()
     assert run("affinity", "release", str(task.pk)).strip() == f"task {task.pk}: released its pin to worker w1"
-    assert not Affinity.objects.filter(task=task).exists()
+    assert not Affinity.objects.filter(key=affinity_key(task.pk)).exists()
     assert run("affinity", "release", str(task.pk)).strip() == f"task {task.pk} was not pinned"
 
 
@@ -248,7 +248,7 @@ def test_apiary_routes(clock, config_file):
     assert not Worker.objects.get(pk="w1").drain_requested
     assert json.loads(apiary("status", "--json", "--config", str(config_file)))["workers"][0]["worker_id"] == "w1"
     job = enqueue()
-    apiary("cancel", str(job.instance_id), "--config", str(config_file))
+    apiary("cancel", str(instance_id(job)), "--config", str(config_file))
     assert Job.objects.get(pk=job.pk).state == JobState.CANCELLED
 
 

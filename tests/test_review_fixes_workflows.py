@@ -21,15 +21,15 @@ import pytest
 from django.db import DataError
 
 from jobqueue.models import Attempt, Job
-from jobqueue.services import Claim
+from jobqueue.types import Claim
 from tests.factories import claim, enqueue, register
-from workers import executor as executor_module
-from workers.executor import TASK_TEXT_CAP, WITHHELD_ENV, Executor, task_environment
 from workers.pgroups import ProcessGroups
 from workflows import controlplane as controlplane_module
-from workflows import services
+from workflows import executor as executor_module
+from workflows import payload, services
 from workflows.config import load
 from workflows.controlplane import ControlPlane
+from workflows.executor import TASK_TEXT_CAP, WITHHELD_ENV, Executor, task_environment
 from workflows.models import Task
 
 STEP_CONFIG = """
@@ -64,8 +64,17 @@ class History:
 def make_claim(task: dict, *, attempt: int = 1, instance: int = 5) -> Claim:
     return Claim(
         job_id=1, attempt_id=1, attempt_number=attempt, token="t", lease_expires_at=dt.datetime.now(dt.UTC),
-        workflow="job", instance_id=instance, agent="sh", runner="shell", task=task,
+        agent="sh", runner="shell", payload={"workflow": "job", "instance_id": instance, "task": task},
     )
+
+
+GRACE = 0.5
+
+
+def environment_of(task: dict, **kwargs) -> dict[str, str]:
+    """task_environment for a claim of `task`, with the workflow job read from its payload."""
+    c = make_claim(task)
+    return task_environment(c, payload.read(c), **kwargs)
 
 
 def make_executor(tmp_path: Path, *steps: str, groups: ProcessGroups | None = None) -> Executor:
@@ -73,7 +82,7 @@ def make_executor(tmp_path: Path, *steps: str, groups: ProcessGroups | None = No
     (tmp_path / "apiary.yaml").write_text(STEP_CONFIG.format(steps=lines))
     return Executor(
         config=load(tmp_path / "apiary.yaml"), worker_id="w1", history=History(),
-        groups=groups or ProcessGroups(tmp_path / "run"), grace=0.5,
+        groups=groups or ProcessGroups(tmp_path / "run"),
     )
 
 
@@ -91,7 +100,7 @@ def test_worker_secrets_in_the_workers_environment_do_not_reach_steps(tmp_path, 
     monkeypatch.setenv("DJANGO_SECRET_KEY", "CANARY-secret-key")
     monkeypatch.setenv("REVIEW_ORDINARY_VARIABLE", "still-passed")  # the rest of the environment still goes
     ex = make_executor(tmp_path, "env > env.txt")
-    outcome = ex.run(make_claim({"id": 7, "title": "t"}), threading.Event())
+    outcome = ex.run(make_claim({"id": 7, "title": "t"}), threading.Event(), grace=GRACE)
     assert outcome.outcome == "succeeded", outcome
     names = {line.split("=", 1)[0] for line in workspace_file(tmp_path, 7, "env.txt").decode().splitlines()}
     assert "REVIEW_ORDINARY_VARIABLE" in names
@@ -109,7 +118,7 @@ def test_nul_in_task_text_is_replaced_and_every_step_runs(tmp_path):
         "printf %s {{ task.title }} > template.out",
     )
     task = {"id": 9, "title": "a\x00b", "body": "c\x00d", "payload": {"k\x00": "v\x00"}}
-    outcome = ex.run(make_claim(task), threading.Event())
+    outcome = ex.run(make_claim(task), threading.Event(), grace=GRACE)
     assert outcome.outcome == "succeeded", outcome
     assert ex.history.rows == {"s1": "succeeded", "s2": "succeeded"}
     title, body, payload = workspace_file(tmp_path, 9, "env.out").decode().split("|")
@@ -122,7 +131,7 @@ def test_a_lone_surrogate_in_task_text_reaches_steps_as_replacement_and_the_file
     # JSON from a remote source may carry "\ud800"; it cannot be encoded into an environment.
     ex = make_executor(tmp_path, 'printf %s "$APIARY_TASK_TITLE" > title.out; cp "$APIARY_TASK_FILE" task.json')
     task = {"id": 14, "title": "a\ud800b", "body": "nul\x00"}
-    assert ex.run(make_claim(task), threading.Event()).outcome == "succeeded"
+    assert ex.run(make_claim(task), threading.Event(), grace=GRACE).outcome == "succeeded"
     assert workspace_file(tmp_path, 14, "title.out").decode() == "a\ufffdb"
     assert json.loads(workspace_file(tmp_path, 14, "task.json")) == task  # the file has the task exactly
 
@@ -134,9 +143,9 @@ def test_a_prompt_larger_than_execve_takes_reaches_a_shell_agent_whole_on_stdin(
         "workflows: [{id: job, agent: sh, steps: [{id: p, prompt: 'Do: {{ task.body }}'}]}]\n"
     )
     ex = Executor(config=load(tmp_path / "apiary.yaml"), worker_id="w1", history=History(),
-                  groups=ProcessGroups(tmp_path / "run"), grace=0.5)
+                  groups=ProcessGroups(tmp_path / "run"))
     body = "z" * 140_000
-    outcome = ex.run(make_claim({"id": 15, "title": "t", "body": body}), threading.Event())
+    outcome = ex.run(make_claim({"id": 15, "title": "t", "body": body}), threading.Event(), grace=GRACE)
     assert outcome.outcome == "succeeded", (outcome.error, outcome.summary)
     assert workspace_file(tmp_path, 15, "prompt.out").decode() == "Do: " + body
     env_copy = workspace_file(tmp_path, 15, "env.out")
@@ -151,7 +160,7 @@ def test_a_task_body_larger_than_execve_takes_still_runs_every_step(tmp_path):
         'cp "$APIARY_TASK_FILE" task.json',
     )
     task = {"id": 10, "title": "t", "body": body, "payload": {"body": body}}
-    outcome = ex.run(make_claim(task), threading.Event())
+    outcome = ex.run(make_claim(task), threading.Event(), grace=GRACE)
     assert outcome.outcome == "succeeded", (outcome.error, outcome.summary)
     for name in ("body.out", "payload.out"):
         value = workspace_file(tmp_path, 10, name)
@@ -163,8 +172,8 @@ def test_a_task_body_larger_than_execve_takes_still_runs_every_step(tmp_path):
 
 def test_truncation_cuts_at_a_utf8_character_boundary(tmp_path):
     body = "é" * 40_000  # two bytes each; the cap is even, so shift by one byte to land mid-character
-    env = task_environment(
-        make_claim({"id": 1, "body": "a" + body, "payload": {}}),
+    env = environment_of(
+        {"id": 1, "body": "a" + body, "payload": {}},
         worker_id="w1", workspace=tmp_path, task_file=tmp_path / "task.json",
     )
     value = env["APIARY_TASK_BODY"]
@@ -173,15 +182,15 @@ def test_truncation_cuts_at_a_utf8_character_boundary(tmp_path):
     assert ("a" + body).startswith(kept) and len(kept) > TASK_TEXT_CAP // 2 - 100
     assert "truncated" in value
     assert env["APIARY_TASK_FILE"] == str(tmp_path / "task.json")
-    short = task_environment(make_claim({"id": 1, "body": "short"}), worker_id="w1", workspace=tmp_path,
-                             task_file=tmp_path / "task.json")
+    short = environment_of({"id": 1, "body": "short"}, worker_id="w1", workspace=tmp_path,
+                           task_file=tmp_path / "task.json")
     assert short["APIARY_TASK_BODY"] == "short"
 
 
 def test_the_task_file_is_written_before_the_first_step_for_each_attempt(tmp_path):
     ex = make_executor(tmp_path, 'cp "$APIARY_TASK_FILE" seen.json; echo "$APIARY_TASK_FILE" > path.txt')
     task = {"id": 11, "title": "T", "body": "B", "payload": {"n": 1}, "source": "inbox", "item_key": "a.md"}
-    assert ex.run(make_claim(task, attempt=2, instance=8), threading.Event()).outcome == "succeeded"
+    assert ex.run(make_claim(task, attempt=2, instance=8), threading.Event(), grace=GRACE).outcome == "succeeded"
     path = Path(workspace_file(tmp_path, 11, "path.txt").decode().strip())
     assert path == tmp_path / ".apiary" / "logs" / "8" / "task-2.json"
     assert json.loads(workspace_file(tmp_path, 11, "seen.json")) == task
@@ -197,7 +206,7 @@ def test_an_error_while_starting_a_step_is_recorded_as_a_failed_step(tmp_path, m
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(executor_module.runners, "run_step", boom)
-    outcome = ex.run(make_claim({"id": 12, "title": "t"}), threading.Event())
+    outcome = ex.run(make_claim({"id": 12, "title": "t"}), threading.Event(), grace=GRACE)
     assert ex.history.rows == {"s1": "failed"}  # finished, not left running; s2 never started
     assert outcome.outcome == "failed" and "s1" in outcome.error
     assert "No space left on device" in ex.history.results["s1"].output_tail
@@ -208,7 +217,7 @@ def test_a_step_whose_process_group_cannot_be_recorded_is_recorded_as_failed(tmp
     groups = ProcessGroups(tmp_path / "run")
     (tmp_path / "run").rmdir()
     ex = make_executor(tmp_path, "echo started > started.txt; sleep 30", groups=groups)
-    outcome = ex.run(make_claim({"id": 13, "title": "t"}), threading.Event())
+    outcome = ex.run(make_claim({"id": 13, "title": "t"}), threading.Event(), grace=GRACE)
     assert ex.history.rows == {"s1": "failed"}
     assert outcome.outcome == "failed"
 
@@ -217,7 +226,7 @@ def test_a_step_whose_process_group_cannot_be_recorded_is_recorded_as_failed(tmp
 def test_every_task_variable_is_capped(tmp_path, name):
     huge = "y" * 200_000
     task = {"id": 1, "title": huge, "body": huge, "item_key": huge, "payload": {}}
-    env = task_environment(make_claim(task), worker_id="w1", workspace=tmp_path, task_file=tmp_path / "t.json")
+    env = environment_of(task, worker_id="w1", workspace=tmp_path, task_file=tmp_path / "t.json")
     assert len(env[name].encode()) <= TASK_TEXT_CAP
 
 

@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from workers.pgroups import kill_process_group, process_group_alive, process_start_time
 from workflows import runners
 from workflows.config import AgentConfig
 from workflows.runners import (
     available_adapters,
     build_prompt_command,
     build_run_command,
-    kill_process_group,
-    process_group_alive,
-    process_start_time,
     run_step,
 )
 

@@ -14,9 +14,8 @@ from jobqueue import services
 from jobqueue.exceptions import StaleAttempt
 from jobqueue.models import Job, JobState
 from tests.factories import enqueue
-from workers.executor import Outcome
 from workers.localdb import LocalDB
-from workers.runtime import WorkerRuntime
+from workers.runtime import Outcome, WorkerRuntime
 from workers.transport import InProcessTransport, TransportError, Unauthorized, WorkerSpec
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -41,8 +40,10 @@ class ScriptedExecutor:
         self.release = threading.Event()
         self.started = threading.Event()
         self.cancelled = threading.Event()
+        self.graces: list[float] = []
 
-    def run(self, claim, cancel):
+    def run(self, claim, cancel, *, grace):
+        self.graces.append(grace)
         self.started.set()
         while self.block and not self.release.is_set():
             if cancel.wait(0.01):
@@ -240,7 +241,7 @@ def test_drain_lets_active_jobs_finish_then_reports_unready(clock):
     loop.join(10)
     assert result["code"] == 0
     assert job_state(job) == JobState.SUCCEEDED
-    from workers.models import Worker
+    from jobqueue.models import Worker
 
     assert Worker.objects.get(pk="w1").ready is False
 
@@ -326,10 +327,8 @@ def test_a_job_claimed_late_in_a_long_poll_is_confirmed_not_fenced(clock):
 
 
 def test_a_self_fenced_step_is_dead_before_its_lease_ends(clock):
-    class GracefulExecutor(ScriptedExecutor):
-        grace = 5.0  # longer than the whole lease below
-
-    executor = GracefulExecutor(block=True)
+    enqueue()
+    executor = ScriptedExecutor(block=True)
     transport = FlakyTransport(worker_id="w1")
     clock_ = FakeMonotonic()
     runtime = WorkerRuntime(
@@ -338,16 +337,21 @@ def test_a_self_fenced_step_is_dead_before_its_lease_ends(clock):
         executor=executor,
         claim_wait=0.0,
         monotonic=clock_,
+        grace=5.0,  # longer than the whole lease below
     )
     from jobqueue import conf
 
     conf.configure(conf.QueueConfig(lease_duration=4.0, heartbeat_interval=1.0, worker_timeout=4.0))
     runtime.start()
     _made.append(runtime)
-    assert executor.grace == 1.0  # clamped to a quarter of the lease
+    assert runtime.grace == 1.0  # clamped to a quarter of the lease
     # SIGTERM at fence_after, SIGKILL `grace` later: both inside the lease, with the margin to spare.
-    assert runtime.fence_after + executor.grace + runtime.margin == pytest.approx(4.0)
+    assert runtime.fence_after + runtime.grace + runtime.margin == pytest.approx(4.0)
     assert runtime.beat_every <= runtime.fence_after / 2
+    # The executor is handed the clamped grace with each claim.
+    assert runtime.claim_once() == 1
+    wait_for(executor.started.is_set)
+    assert executor.graces == [1.0]
 
 
 def test_a_refused_token_stops_every_runner(clock):
@@ -390,11 +394,11 @@ def test_start_does_not_register_while_the_outbox_cannot_be_delivered(clock, tmp
 
 def test_outbox_keeps_two_finishes_of_the_same_attempt_id(tmp_path):
     # Attempt ids start again when the control plane's database is recreated.
-    from jobqueue.services import Claim
+    from jobqueue.types import Claim
 
     outbox = LocalDB(tmp_path / "w.db")
     for token in ("old", "new"):
-        claim = Claim(1, 7, 1, token, None, "wf", 1, "a", "shell", {"id": 1})
+        claim = Claim(1, 7, 1, token, None, "a", "shell", {"workflow": "wf", "instance_id": 1, "task": {"id": 1}})
         outbox.record_finish(claim=claim, outcome="succeeded", summary={}, error=None)
     assert [e["token"] for e in outbox.pending()] == ["old", "new"]
 

@@ -9,12 +9,20 @@ from django.test.utils import CaptureQueriesContext
 
 from jobqueue import services
 from jobqueue.conf import Limits
-from jobqueue.models import Job, JobState
-from jobqueue.selectors import BLOCKED_LIMIT, blocked_reasons, rfc3339, status_document
-from jobqueue.services import Retry
-from tests.factories import claim, enqueue, make_task, register
-from workers.models import Worker
-from workers.selectors import active_jobs, worker_can_claim, worker_health
+from jobqueue.models import Job, JobState, Worker
+from jobqueue.selectors import (
+    BLOCKED_LIMIT,
+    active_jobs,
+    blocked_reasons,
+    rfc3339,
+    status_document,
+    worker_can_claim,
+    worker_health,
+)
+from jobqueue.types import Retry
+from tests.factories import claim, enqueue, instance_id, make_task, register, task_id
+from workflows.models import WorkflowInstance
+from workflows.services import affinity_key
 
 pytestmark = pytest.mark.django_db
 
@@ -98,10 +106,12 @@ def test_document_shape_and_values(clock, queue_config):
     }
     [a] = doc["active"]
     assert set(a) == ACTIVE_KEYS
+    instance = WorkflowInstance.objects.get(job=running)  # the payload names the instance and task of the job
+    assert (instance_id(running), task_id(running)) == (instance.pk, instance.task_id)
     assert a == {
         "job_id": running.pk,
-        "instance_id": running.instance_id,
-        "task_id": running.task_id,
+        "instance_id": instance.pk,
+        "task_id": instance.task_id,
         "workflow": "triage",
         "worker_id": "w1",
         "attempt_number": 1,
@@ -223,7 +233,7 @@ def test_pinned_to_stale_worker(clock, queue_config):
     other = enqueue()  # an unpinned job w2 can take is not blocked
     assert reasons() == {job.pk: "pinned to worker w1 (stale)"}
     assert other.pk not in reasons()
-    services.affinity_release(task_id=task.pk)
+    services.affinity_release(key=affinity_key(task.pk))
     assert reasons() == {}
 
 

@@ -16,7 +16,7 @@ import time
 import requests
 
 from jobqueue.exceptions import InvalidRequest, NotFound, SessionSuperseded, StaleAttempt
-from jobqueue.services import Claim, Heartbeat
+from jobqueue.types import CLAIM_FIELDS, Claim, Heartbeat
 
 from .transport import Registration, TransportError, Unauthorized, WorkerSpec
 
@@ -163,11 +163,10 @@ class HttpTransport:
                 attempt_number=job["attempt_number"],
                 token=job["token"],
                 lease_expires_at=parse_time(job["lease_expires_at"]),
-                workflow=job["workflow"],
-                instance_id=job["instance_id"],
                 agent=job["agent"],
                 runner=job["runner"],
-                task=job["task"],
+                # Protocol v1 sends the payload's keys beside the queue's own fields.
+                payload={key: value for key, value in job.items() if key not in CLAIM_FIELDS},
             )
             for job in answer["jobs"]
         ]

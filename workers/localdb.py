@@ -12,15 +12,14 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from jobqueue.services import Claim
+from jobqueue.types import Claim
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS step_runs (
-    instance_id INTEGER NOT NULL, attempt_number INTEGER NOT NULL, step_id TEXT NOT NULL,
-    job_id INTEGER NOT NULL, attempt_id INTEGER NOT NULL, workflow TEXT NOT NULL,
-    status TEXT NOT NULL, started_at TEXT NOT NULL, ended_at TEXT, exit_code INTEGER,
-    log_path TEXT, output_tail TEXT,
-    PRIMARY KEY (instance_id, attempt_number, step_id)
+    job_id INTEGER NOT NULL, attempt_number INTEGER NOT NULL, step_id TEXT NOT NULL,
+    attempt_id INTEGER NOT NULL, status TEXT NOT NULL, started_at TEXT NOT NULL, ended_at TEXT,
+    exit_code INTEGER, log_path TEXT, output_tail TEXT,
+    PRIMARY KEY (job_id, attempt_number, step_id)
 );
 -- Keyed by a row id of its own: attempt ids start again if the control
 -- plane's database is ever recreated, and a new finish must never be skipped.
@@ -54,18 +53,17 @@ class LocalDB:
 
     def step_started(self, *, claim: Claim, worker_id: str, step_id: str, started_at: dt.datetime, log_path: str) -> None:
         self._run(
-            "INSERT OR REPLACE INTO step_runs (instance_id, attempt_number, step_id, job_id, attempt_id, workflow,"
-            " status, started_at, log_path) VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?)",
-            (claim.instance_id, claim.attempt_number, step_id, claim.job_id, claim.attempt_id, claim.workflow,
-             started_at.isoformat(), log_path),
+            "INSERT OR REPLACE INTO step_runs (job_id, attempt_number, step_id, attempt_id,"
+            " status, started_at, log_path) VALUES (?, ?, ?, ?, 'running', ?, ?)",
+            (claim.job_id, claim.attempt_number, step_id, claim.attempt_id, started_at.isoformat(), log_path),
         )
 
     def step_finished(self, *, claim: Claim, worker_id: str, step_id: str, result) -> None:
         self._run(
             "UPDATE step_runs SET status = ?, ended_at = ?, exit_code = ?, output_tail = ?"
-            " WHERE instance_id = ? AND attempt_number = ? AND step_id = ?",
+            " WHERE job_id = ? AND attempt_number = ? AND step_id = ?",
             (result.status, result.ended_at.isoformat(), result.exit_code, result.output_tail,
-             claim.instance_id, claim.attempt_number, step_id),
+             claim.job_id, claim.attempt_number, step_id),
         )
 
     # the outbox

@@ -18,20 +18,61 @@ that has not reached the control plane for half a lease stops claiming.
 """
 
 import dataclasses
+import enum
 import logging
 import random
 import threading
 import time
+from typing import Protocol
 
 from jobqueue.exceptions import NotFound, QueueError, SessionSuperseded, StaleAttempt, Unavailable
-from jobqueue.services import Claim
+from jobqueue.types import Claim
 
-from .executor import Executor, Outcome
 from .transport import Registration, Transport, TransportError, Unauthorized, WorkerSpec
 
 log = logging.getLogger("apiary.worker")
 
-RETRYABLE = (Unavailable, TransportError)
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    outcome: str  # succeeded | failed | cancelled
+    summary: dict
+    error: str | None = None
+
+
+class Executor(Protocol):
+    """What runs a claimed job (workflows.executor.Executor). `cancel` is set
+    when the job must stop (a cancel request, self-fencing, a second signal);
+    `grace` is how long a stopped step may take between SIGTERM and SIGKILL."""
+
+    def run(self, claim: Claim, cancel: threading.Event, *, grace: float) -> Outcome: ...
+
+
+class Verdict(enum.Enum):
+    """What the runtime does about a failed control-plane call."""
+
+    RETRY = "retry"  # the control plane could not answer now: try again later
+    STALE = "stale"  # the attempt is no longer this worker's: stop its runner, drop its result
+    SUPERSEDED = "superseded"  # another process registered this worker id: stop everything
+    UNAUTHORIZED = "unauthorized"  # the worker token was refused: stop everything
+    REFUSED = "refused"  # the call was refused as malformed: sending it again cannot help
+
+
+def classify(exc: QueueError) -> Verdict:
+    """The one place that turns a transport's errors into what the runtime does;
+    both transports raise the same domain errors."""
+    if isinstance(exc, Unavailable | TransportError):
+        return Verdict.RETRY
+    if isinstance(exc, StaleAttempt | NotFound):
+        return Verdict.STALE
+    if isinstance(exc, SessionSuperseded):
+        return Verdict.SUPERSEDED
+    if isinstance(exc, Unauthorized):
+        return Verdict.UNAUTHORIZED
+    return Verdict.REFUSED
+
+
+FATAL = (Verdict.SUPERSEDED, Verdict.UNAUTHORIZED)
 
 
 @dataclasses.dataclass
@@ -53,6 +94,7 @@ class WorkerRuntime:
         spec: WorkerSpec,
         executor: Executor,
         claim_wait: float = 1.0,
+        grace: float = 5.0,
         fence_margin: float | None = None,
         outbox=None,
         monotonic=time.monotonic,
@@ -62,6 +104,7 @@ class WorkerRuntime:
         self.spec = spec
         self.executor = executor
         self.claim_wait = claim_wait
+        self.grace = grace  # SIGTERM → SIGKILL of a stopped step; clamped to the lease at start()
         self.fence_margin = fence_margin
         self.outbox = outbox  # workers.localdb.LocalDB for remote workers: finishes survive restarts
         self.monotonic = monotonic  # the worker's own clock for self-fencing; tests pass a fake one
@@ -89,13 +132,13 @@ class WorkerRuntime:
         if self.flush_outbox():
             raise TransportError("finishes from a previous run are not delivered yet; not registering")
         self.registration = self.transport.register(self.spec)
-        grace = getattr(self.executor, "grace", 0.0)
-        if grace > self.registration.lease_duration / 4:
+        longest = self.registration.lease_duration / 4
+        if self.grace > longest:
             log.warning(
                 "grace %.1fs is too long for a %.1fs lease: using %.1fs, so a self-fenced step is killed in time",
-                grace, self.registration.lease_duration, self.registration.lease_duration / 4,
+                self.grace, self.registration.lease_duration, longest,
             )
-            self.executor.grace = self.registration.lease_duration / 4
+            self.grace = longest
         self.last_contact = self.monotonic()
         self.next_worker_heartbeat = self.last_contact + self.registration.heartbeat_interval
         log.info(
@@ -119,7 +162,7 @@ class WorkerRuntime:
         """Seconds after the sending time of the last acknowledged heartbeat at
         which a runner is stopped: the lease, less the margin, less the grace a
         step gets between SIGTERM and SIGKILL — so it is dead before the lease ends."""
-        return self.registration.lease_duration - self.margin - getattr(self.executor, "grace", 0.0)
+        return self.registration.lease_duration - self.margin - self.grace
 
     @property
     def beat_every(self) -> float:
@@ -227,8 +270,8 @@ class WorkerRuntime:
                     continue
                 acked = confirmed
             log.info(
-                "claim: job %s attempt %s (#%s) workflow %s instance %s task %s",
-                claim.job_id, claim.attempt_id, claim.attempt_number, claim.workflow, claim.instance_id, claim.task["id"],
+                "claim: job %s attempt %s (#%s) agent %s runner %s",
+                claim.job_id, claim.attempt_id, claim.attempt_number, claim.agent, claim.runner,
             )
             job = ActiveJob(claim=claim, acked_at=acked, next_heartbeat=acked + self.beat_every)
             job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"job-{claim.job_id}", daemon=True)
@@ -243,11 +286,14 @@ class WorkerRuntime:
         sent = self.monotonic()
         try:
             self.transport.heartbeat(attempt_id=claim.attempt_id, token=claim.token)
-        except (StaleAttempt, NotFound, SessionSuperseded) as exc:
+        except QueueError as exc:
+            verdict = classify(exc)
+            if verdict is Verdict.RETRY:
+                return sent - self.fence_after  # unconfirmed: the fence treats it as already due
+            if verdict in FATAL:
+                self._stop_for(verdict, exc)
             log.warning("claim of job %s attempt %s is already stale: %s", claim.job_id, claim.attempt_id, exc.message)
             return None
-        except RETRYABLE:
-            return sent - self.fence_after  # unconfirmed: the fence treats it as already due
         return sent
 
     def reap(self, wait: bool = False) -> None:
@@ -325,15 +371,15 @@ class WorkerRuntime:
         job.next_heartbeat = now + self.beat_every
         try:
             answer = self.transport.heartbeat(attempt_id=job.claim.attempt_id, token=job.claim.token)
-        except (StaleAttempt, NotFound) as exc:
-            self._discard(job, f"the control plane says the attempt is stale: {exc.message}")
-            return
-        except RETRYABLE as exc:
-            log.warning("heartbeat of attempt %s failed (%s); retrying", job.claim.attempt_id, exc)
-            job.next_heartbeat = now + min(1.0, self.beat_every / 2)
-            return
-        except SessionSuperseded as exc:
-            self._superseded(exc)
+        except QueueError as exc:
+            verdict = classify(exc)
+            if verdict is Verdict.RETRY:
+                log.warning("heartbeat of attempt %s failed (%s); retrying", job.claim.attempt_id, exc)
+                job.next_heartbeat = now + min(1.0, self.beat_every / 2)
+            elif verdict in FATAL:
+                self._stop_for(verdict, exc)
+            else:
+                self._discard(job, f"the control plane says the attempt is stale: {exc.message}")
             return
         job.acked_at = now
         self.last_contact = self.monotonic()
@@ -346,8 +392,11 @@ class WorkerRuntime:
         job.discard = why
         job.cancel.set()
 
-    def _superseded(self, exc: Exception) -> None:
-        self._fatal(f"another process registered worker id {self.spec.worker_id!r} ({exc}); exiting")
+    def _stop_for(self, verdict: Verdict, exc: QueueError) -> None:
+        if verdict is Verdict.SUPERSEDED:
+            self._fatal(f"another process registered worker id {self.spec.worker_id!r} ({exc}); exiting")
+        else:
+            self._fatal(f"the control plane refused the worker token ({exc.message})")
 
     def _fatal(self, why: str) -> None:
         """Stop for good: every runner is stopped and its result discarded, since
@@ -365,14 +414,14 @@ class WorkerRuntime:
         answered None; a superseded session is fatal."""
         try:
             result = fn()
-        except SessionSuperseded as exc:
-            self._superseded(exc)
-            return None
-        except RETRYABLE as exc:
-            log.warning("control plane unavailable: %s", exc)
-            return None
-        except Unauthorized as exc:
-            self._fatal(f"the control plane refused the worker token ({exc.message})")
+        except QueueError as exc:
+            verdict = classify(exc)
+            if verdict in FATAL:
+                self._stop_for(verdict, exc)
+            elif verdict is Verdict.RETRY:
+                log.warning("control plane unavailable: %s", exc)
+            else:
+                raise
             return None
         self.last_contact = self.monotonic()
         return result
@@ -390,17 +439,21 @@ class WorkerRuntime:
                     attempt_id=entry["attempt_id"], token=entry["token"], outcome=entry["outcome"],
                     summary=entry["summary"], error=entry["error"],
                 )
-            except (StaleAttempt, NotFound, SessionSuperseded) as exc:
-                log.warning("outbox: finish of attempt %s refused as stale (%s); dropped", entry["attempt_id"], exc.message)
-                self.outbox.acknowledge(entry["id"], "stale")
-            except RETRYABLE as exc:
-                log.warning("outbox: finish of attempt %s not delivered yet (%s)", entry["attempt_id"], exc)
-                return len(pending)
-            except Unauthorized:
-                raise
             except QueueError as exc:
-                log.error("outbox: finish of attempt %s refused (%s); dropped", entry["attempt_id"], exc.message)
-                self.outbox.acknowledge(entry["id"], f"refused: {exc.code}")
+                verdict = classify(exc)
+                if verdict is Verdict.RETRY:
+                    log.warning("outbox: finish of attempt %s not delivered yet (%s)", entry["attempt_id"], exc)
+                    return len(pending)
+                if verdict is Verdict.UNAUTHORIZED:
+                    raise
+                if verdict is Verdict.REFUSED:
+                    log.error("outbox: finish of attempt %s refused (%s); dropped", entry["attempt_id"], exc.message)
+                    self.outbox.acknowledge(entry["id"], f"refused: {exc.code}")
+                else:  # stale, or an attempt of a session that a newer one superseded
+                    log.warning(
+                        "outbox: finish of attempt %s refused as stale (%s); dropped", entry["attempt_id"], exc.message
+                    )
+                    self.outbox.acknowledge(entry["id"], "stale")
             else:
                 log.info("outbox: finish of job %s attempt %s delivered → job %s", entry["job_id"], entry["attempt_id"], state)
                 self.outbox.acknowledge(entry["id"], state)
@@ -410,7 +463,7 @@ class WorkerRuntime:
         claim = job.claim
         try:
             try:
-                outcome = self.executor.run(claim, job.cancel)
+                outcome = self.executor.run(claim, job.cancel, grace=self.grace)
             except Exception as exc:  # a bug in a runner must not take the worker down
                 log.exception("job %s attempt %s crashed in the executor", claim.job_id, claim.attempt_id)
                 outcome = Outcome("failed", {}, f"executor error: {exc!r}")
@@ -437,26 +490,28 @@ class WorkerRuntime:
                     summary=outcome.summary,
                     error=outcome.error,
                 )
-            except (StaleAttempt, NotFound) as exc:
-                log.warning("finish of job %s attempt %s refused as stale: %s; result discarded", claim.job_id, claim.attempt_id, exc.message)
-                self._acknowledge(job, "stale")
-                return
-            except SessionSuperseded as exc:
-                self._superseded(exc)
-                return
-            except Unauthorized as exc:
-                self._fatal(f"the control plane refused the worker token ({exc.message})")
-                return
-            except RETRYABLE as exc:
-                if job.discard:  # self-fenced while retrying: the outbox resends after a restart
-                    return
-                log.warning("finish of attempt %s failed (%s); retrying in %.1fs", claim.attempt_id, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0) * random.uniform(0.8, 1.2)
-                continue
-            except QueueError as exc:  # refused as malformed: resending cannot help; the lease will run out
-                log.error("finish of job %s attempt %s refused (%s): %s", claim.job_id, claim.attempt_id, exc.code, exc.message)
-                self._acknowledge(job, f"refused: {exc.code}")
+            except QueueError as exc:
+                verdict = classify(exc)
+                if verdict is Verdict.RETRY:
+                    if job.discard:  # self-fenced while retrying: the outbox resends after a restart
+                        return
+                    log.warning("finish of attempt %s failed (%s); retrying in %.1fs", claim.attempt_id, exc, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5.0) * random.uniform(0.8, 1.2)
+                    continue
+                if verdict in FATAL:
+                    self._stop_for(verdict, exc)
+                elif verdict is Verdict.STALE:
+                    log.warning(
+                        "finish of job %s attempt %s refused as stale: %s; result discarded",
+                        claim.job_id, claim.attempt_id, exc.message,
+                    )
+                    self._acknowledge(job, "stale")
+                else:  # refused as malformed: resending cannot help; the lease will run out
+                    log.error(
+                        "finish of job %s attempt %s refused (%s): %s", claim.job_id, claim.attempt_id, exc.code, exc.message
+                    )
+                    self._acknowledge(job, f"refused: {exc.code}")
                 return
             self._acknowledge(job, state)
             self.finished_count += 1

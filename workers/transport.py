@@ -15,7 +15,9 @@ from django.db import close_old_connections, connection
 from jobqueue import conf, services
 from jobqueue.exceptions import QueueError
 from jobqueue.longpoll import claim_with_wait
-from jobqueue.services import Claim, Heartbeat
+from jobqueue.types import Claim, Heartbeat
+
+EMBEDDED_ID = "embedded"  # the worker id of the control plane's own in-process worker
 
 
 class TransportError(QueueError):

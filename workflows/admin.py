@@ -6,9 +6,10 @@ from django.contrib import admin
 
 from jobqueue import services
 from jobqueue.admin import OperateMixin, ReadOnlyMixin, cancel_results, release_results
-from jobqueue.models import Job
 
+from . import selectors
 from .models import StepRun, Task, WorkflowInstance
+from .services import affinity_key
 
 
 class StepRunInline(ReadOnlyMixin, admin.TabularInline):
@@ -22,6 +23,14 @@ class InstanceInline(ReadOnlyMixin, admin.TabularInline):
     model = WorkflowInstance
     fields = ("generation", "workflow", "state", "created_at", "finished_at")
     readonly_fields = fields
+
+    @admin.display(description="state")
+    def state(self, obj: WorkflowInstance) -> str:
+        return obj.job.state if obj.job else "—"
+
+    @admin.display(description="finished at")
+    def finished_at(self, obj: WorkflowInstance):
+        return obj.job.finished_at if obj.job else None
     extra = 0
     show_change_link = True
 
@@ -29,26 +38,38 @@ class InstanceInline(ReadOnlyMixin, admin.TabularInline):
 @admin.register(Task)
 class TaskAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     list_display = ("id", "source", "item_key", "generation", "title", "state", "updated_at")
-    list_filter = ("source", "state")
+    list_filter = ("source",)
     search_fields = ("item_key", "title")
     inlines = (InstanceInline,)
     actions = ("release_affinity",)
 
     @admin.action(description="Release affinity of selected tasks", permissions=("operate",))
     def release_affinity(self, request, queryset):
-        release_results(request, self, queryset.values_list("id", flat=True))
+        release_results(request, self, [affinity_key(pk) for pk in queryset.values_list("id", flat=True)])
+
+    @admin.display(description="state")
+    def state(self, obj: Task) -> str:
+        return selectors.task_state(obj)
 
 
 @admin.register(WorkflowInstance)
 class WorkflowInstanceAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     list_display = ("id", "workflow", "task", "generation", "state", "created_at", "finished_at")
-    list_filter = ("state", "workflow")
+    list_filter = ("job__state", "workflow")
     search_fields = ("workflow", "task__item_key")
-    list_select_related = ("task",)
+    list_select_related = ("task", "job")
     inlines = (StepRunInline,)
     actions = ("cancel_instances",)
 
     @admin.action(description="Cancel selected instances", permissions=("operate",))
     def cancel_instances(self, request, queryset):
-        jobs = Job.objects.filter(instance__in=queryset).order_by("id")
-        cancel_results(request, self, jobs, lambda job: services.instance_cancel(instance_id=job.instance_id))
+        jobs = [instance.job for instance in queryset.select_related("job").order_by("job_id") if instance.job]
+        cancel_results(request, self, jobs, lambda job: services.job_cancel(job_id=job.pk))
+
+    @admin.display(description="state", ordering="job__state")
+    def state(self, obj: WorkflowInstance) -> str:
+        return obj.job.state if obj.job else "—"
+
+    @admin.display(description="finished at", ordering="job__finished_at")
+    def finished_at(self, obj: WorkflowInstance):
+        return obj.job.finished_at if obj.job else None

@@ -1,6 +1,22 @@
 from django.db import models
 
 
+class TaskState(models.TextChoices):
+    """A task's state is derived, never stored: it is its newest generation's
+    jobs' (workflows.selectors.task_states), so it cannot drift from them."""
+
+    OPEN = "open"
+    """No job was dispatched for the newest generation (yet)."""
+    ACTIVE = "active"
+    """Some job of the newest generation is queued or leased."""
+    SUCCEEDED = "succeeded"
+    """Every job of the newest generation ended, the last to end succeeded."""
+    FAILED = "failed"
+    """Every job of the newest generation ended, the last to end failed."""
+    CANCELLED = "cancelled"
+    """Every job of the newest generation ended, the last to end was cancelled."""
+
+
 class Task(models.Model):
     """One source item. A changed item starts a new `generation`; each
     generation dispatches every workflow of its source once (enqueue key
@@ -13,9 +29,6 @@ class Task(models.Model):
     body = models.TextField(blank=True, default="")
     payload = models.JSONField(default=dict, blank=True)
     content_hash = models.CharField(max_length=64, blank=True, default="")
-    # The outcome of the newest generation's workflows, kept in step with the
-    # jobs by the queue services and repaired by reconciliation.
-    state = models.CharField(max_length=16, default="open")
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()
 
@@ -27,17 +40,16 @@ class Task(models.Model):
 
 
 class WorkflowInstance(models.Model):
-    """One run of a workflow on one generation of a task; its job is the
-    queue's record of it. `state` mirrors the job once the job is terminal."""
+    """One run of a workflow on one generation of a task. Its job is the
+    queue's record of it: the instance's state, summary and error are the
+    job's (`instance.job.state`), never a copy. `job` is set in the
+    transaction that creates the instance (workflows.services.dispatch)."""
 
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="instances")
     generation = models.PositiveIntegerField()
     workflow = models.CharField(max_length=128)
-    state = models.CharField(max_length=16, default="pending")
-    summary = models.JSONField(default=dict, blank=True)
-    error = models.TextField(blank=True, default="")
+    job = models.OneToOneField("queue.Job", null=True, on_delete=models.CASCADE, related_name="+")
     created_at = models.DateTimeField()
-    finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [

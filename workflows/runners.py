@@ -44,6 +44,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from workers.pgroups import KILL_WAIT, kill_process_group, process_group_alive, signal_group
+
 if TYPE_CHECKING:
     from workflows.config import AgentConfig
 
@@ -54,7 +56,6 @@ EXECUTABLE = {"codex-cli": "codex", "claude-code": "claude", "shell": "sh"}
 
 OUTPUT_CAP = 1024 * 1024  # bytes of stdout kept for `steps.<id>.output`; the log has everything
 POLL_INTERVAL = 0.05  # how often a running step checks cancel/timeout (the contract is ≤ 0.1 s)
-KILL_WAIT = 5.0  # how long to wait for a SIGKILLed group to disappear before giving up
 
 
 @dataclass(frozen=True)
@@ -199,61 +200,22 @@ def run_step(
         return result("succeeded" if exit_code == 0 else "failed", exit_code)
 
 
-def kill_process_group(pgid: int, grace: float = 5.0, *, leader_started: int | None = None) -> bool:
-    """SIGTERM the group, SIGKILL it after `grace` seconds; True once no live
-    process of it is left.
-
-    `leader_started` (from `process_start_time`, recorded at spawn) guards a
-    successor against PID reuse: if the group's leader is alive but started
-    at another time, the group is someone else's and is left alone (False)."""
-    if leader_started is not None:
-        started = process_start_time(pgid)
-        if started is not None and started != leader_started:
-            return False
-    if not _signal_group(pgid, signal.SIGTERM):
-        return True
-    deadline = time.monotonic() + grace
-    while process_group_alive(pgid):
-        if time.monotonic() >= deadline:
-            _signal_group(pgid, signal.SIGKILL)
-            return _wait_group_gone(pgid, KILL_WAIT)
-        time.sleep(POLL_INTERVAL)
-    return True
 
 
-def process_group_alive(pgid: int) -> bool:
-    """True while a live (not zombie) process of the group exists.
-
-    Zombies are ignored: an orphan's zombie waits for init to reap it, which
-    some inits do late or never, and a zombie runs nothing."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, it is just not ours to signal
-    members = _group_states(pgid)
-    if members is None:  # no /proc: trust the signal probe
-        return True
-    return any(state not in "ZX" for state in members)
 
 
-def process_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), or None."""
-    stat = _read_stat(pid)
-    return int(stat[19]) if stat else None
 
 
 def _stop_group(proc: subprocess.Popen, *, grace: float) -> None:
     """End every process of the step's group and reap the leader."""
     pgid = proc.pid
     if _group_has_live_members(proc):
-        _signal_group(pgid, signal.SIGTERM)
+        signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while _group_has_live_members(proc) and time.monotonic() < deadline:
             time.sleep(POLL_INTERVAL)
         if _group_has_live_members(proc):
-            _signal_group(pgid, signal.SIGKILL)
+            signal_group(pgid, signal.SIGKILL)
             deadline = time.monotonic() + KILL_WAIT
             while _group_has_live_members(proc) and time.monotonic() < deadline:
                 time.sleep(POLL_INTERVAL)
@@ -268,50 +230,12 @@ def _group_has_live_members(proc: subprocess.Popen) -> bool:
     return process_group_alive(proc.pid)
 
 
-def _wait_group_gone(pgid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while process_group_alive(pgid):
-        if time.monotonic() >= deadline:
-            logger.error("process group %s still has live processes after SIGKILL", pgid)
-            return False
-        time.sleep(POLL_INTERVAL)
-    return True
 
 
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send `sig` to the group; False when the group no longer exists."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        logger.warning("not permitted to signal process group %s", pgid)
-    return True
 
 
-def _read_stat(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (index 0 = state)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name is in parentheses and may itself contain spaces or ')'.
-    return raw[raw.rindex(")") + 2 :].split()
 
 
-def _group_states(pgid: int) -> list[str] | None:
-    """States of the processes in group `pgid`, or None without /proc."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    states = []
-    for name in entries:
-        if name.isdigit():
-            stat = _read_stat(int(name))
-            if stat and int(stat[2]) == pgid:
-                states.append(stat[0])
-    return states
 
 
 def printable(data: bytes) -> str:

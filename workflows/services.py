@@ -1,12 +1,14 @@
 """Tasks from source items, and their dispatch into the queue.
 
 A task is a source item's record (not a queue row): this module creates and
-updates tasks and asks `jobqueue.services.job_enqueue` for one job per
-workflow of the task's current generation. Dispatch is idempotent through the
-enqueue key, so polling an unchanged item again, or dispatching again after a
-crash between the task write and the enqueue, creates nothing new.
+updates tasks and, per workflow of the task's current generation, creates a
+workflow instance and its job in one transaction (`jobqueue.services.
+job_enqueue_in`). Dispatch is idempotent through the instance's uniqueness
+and the job's enqueue key, so polling an unchanged item again, or
+dispatching again after a crash, creates nothing new.
 """
 
+import dataclasses
 import logging
 import uuid
 
@@ -15,11 +17,18 @@ from django.db import transaction
 from jobqueue import services as queue
 from jobqueue.clock import Clock, get_clock
 from jobqueue.models import Job
-from jobqueue.sql import clean
+from jobqueue.text import clean
+from jobqueue.types import Retry
 
-from .config import Config, SourceConfig
-from .models import Task
+from . import payload
+from .config import AgentConfig, Config, SourceConfig, WorkflowConfig
+from .models import Task, WorkflowInstance
 from .sources import Item
+
+# Every workflow job requires these of its worker (DESIGN §3.3): a worker that
+# runs workflows at all, and the job's runner adapter.
+WORKFLOW_CAPABILITY = "apiary.workflow"
+RUNNER_CAPABILITY = "runner:{adapter}"
 
 log = logging.getLogger("apiary.dispatch")
 
@@ -48,7 +57,6 @@ def task_sync(*, source: SourceConfig, item: Item, clock: Clock | None = None) -
     redispatch = source.type == "command" or source.redispatch_on_change
     if redispatch:
         fields["generation"] = task.generation + 1
-        fields["state"] = "open"
     Task.objects.filter(pk=task.pk).update(content_hash=item.content_hash, updated_at=now, **fields)
     task.refresh_from_db()
     return task, redispatch
@@ -63,39 +71,71 @@ def task_add(*, source: str, title: str, body: str = "", payload: dict | None = 
     )
 
 
+def enqueue_key(task: Task, workflow: str) -> str:
+    return f"{task.pk}:{task.generation}:{workflow}"
+
+
+def affinity_key(task_id: int) -> str:
+    """The queue's affinity key of a task: its jobs with `workspace_affinity` share it."""
+    return f"task:{task_id}"
+
+
+def worker_capabilities(adapters, extra=()) -> tuple[str, ...]:
+    """What a worker advertises: the workflow capability, `runner:<adapter>` for
+    every adapter whose executable it finds, and any of its own."""
+    return tuple(sorted({WORKFLOW_CAPABILITY, *(RUNNER_CAPABILITY.format(adapter=a) for a in adapters), *extra}))
+
+
+@transaction.atomic(durable=True)
+def instance_dispatch(
+    *, config: Config, task: Task, workflow: WorkflowConfig, clock: Clock | None = None
+) -> tuple[WorkflowInstance, Job, bool]:
+    """One workflow on the task's current generation: the instance and its job,
+    committed together. Returns (instance, job, created); an existing instance
+    is returned as it is."""
+    existing = WorkflowInstance.objects.filter(task=task, generation=task.generation, workflow=workflow.id).first()
+    if existing is not None:
+        return existing, existing.job, False
+    now = (clock or get_clock()).now()
+    agent: AgentConfig = config.agents[workflow.agent]
+    instance = WorkflowInstance.objects.create(task=task, generation=task.generation, workflow=workflow.id, created_at=now)
+    retry = workflow.retry if isinstance(workflow.retry, Retry) else Retry(**dataclasses.asdict(workflow.retry))
+    job, _ = queue.job_enqueue_in(
+        key=enqueue_key(task, workflow.id),
+        payload=payload.payload_of(workflow=workflow.id, instance_id=instance.pk, task=task),
+        project=config.project,
+        source=task.source,
+        agent=agent.id,
+        runner=agent.adapter,
+        pool=agent.worker_pool,
+        labels=agent.requires_labels,
+        capabilities=[*agent.requires_capabilities, WORKFLOW_CAPABILITY, RUNNER_CAPABILITY.format(adapter=agent.adapter)],
+        affinity_key=affinity_key(task.pk) if agent.workspace_affinity else None,
+        priority=workflow.priority,
+        max_attempts=config.settings.queue.max_attempts,
+        retry=retry,
+        clock=clock,
+    )
+    WorkflowInstance.objects.filter(pk=instance.pk).update(job=job)
+    instance.job = job
+    return instance, job, True
+
+
 def dispatch(*, config: Config, task: Task, workflows: tuple[str, ...], clock: Clock | None = None) -> list[Job]:
-    """Enqueue each workflow for the task's current generation; returns the jobs
-    created now (an existing key creates nothing)."""
+    """Dispatch each workflow for the task's current generation; returns the
+    jobs created now (an existing instance creates nothing)."""
     created = []
     for workflow_id in workflows:
-        key = queue.enqueue_key(task, workflow_id)
-        if Job.objects.filter(key=key).exists():  # a plain read: no write lock for the common case
+        # A plain read first: no write lock for the common case of nothing new.
+        if WorkflowInstance.objects.filter(task=task, generation=task.generation, workflow=workflow_id).exists():
             continue
-        workflow = config.workflows[workflow_id]
-        agent = config.agents[workflow.agent]
-        job, is_new = queue.job_enqueue(
-            task=task,
-            workflow=workflow_id,
-            agent=agent.id,
-            runner=agent.adapter,
-            project=config.project,
-            pool=agent.worker_pool,
-            labels=agent.requires_labels,
-            capabilities=agent.requires_capabilities,
-            affinity=agent.workspace_affinity,
-            priority=workflow.priority,
-            max_attempts=config.settings.queue.max_attempts,
-            retry=queue.Retry(
-                max_attempts=workflow.retry.max_attempts,
-                backoff=workflow.retry.backoff,
-                backoff_max=workflow.retry.backoff_max,
-            ),
-            clock=clock,
+        instance, job, is_new = instance_dispatch(
+            config=config, task=task, workflow=config.workflows[workflow_id], clock=clock
         )
         if is_new:
             log.info(
                 "dispatch: job %s instance %s workflow %s task %s (%s:%s generation %s)",
-                job.pk, job.instance_id, workflow_id, task.pk, task.source, task.item_key, task.generation,
+                job.pk, instance.pk, workflow_id, task.pk, task.source, task.item_key, task.generation,
             )
             created.append(job)
     return created

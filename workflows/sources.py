@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from workflows.runners import KILL_WAIT, kill_process_group
+from workers.pgroups import KILL_WAIT, kill_process_group
 
 if TYPE_CHECKING:
     from workflows.config import SourceConfig

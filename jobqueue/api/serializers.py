@@ -14,13 +14,12 @@ from django.core.validators import RegexValidator
 from rest_framework import serializers
 
 from jobqueue.models import JobState
+from jobqueue.types import OUTCOMES, WORKER_ID_PATTERN, Claim
 
 from .errors import CODES
 
-WORKER_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 MAX_INT = 2**31 - 1  # PostgreSQL `integer`
 MAX_WAIT = 30.0
-OUTCOMES = ("succeeded", "failed", "cancelled")
 
 
 # --------------------------------------------------------------------------- strict fields
@@ -191,17 +190,32 @@ class TaskView(serializers.Serializer):
     payload = serializers.JSONField()
 
 
-class JobView(serializers.Serializer):
+class ClaimedJob(serializers.Serializer):
+    """The queue's own fields of a claimed job (jobqueue.types.CLAIM_FIELDS)."""
+
     job_id = serializers.IntegerField()
     attempt_id = serializers.IntegerField()
     attempt_number = serializers.IntegerField()
     token = serializers.CharField()
     lease_expires_at = serializers.DateTimeField()
-    workflow = serializers.CharField()
-    instance_id = serializers.IntegerField()
     agent = serializers.CharField()
     runner = serializers.CharField()
+
+
+class JobView(ClaimedJob):
+    """A claimed job on the wire: the queue's fields and, beside them, the
+    keys of the job's payload. The queue never reads the payload; Apiary's
+    workflows write these three keys into it (documented here for the schema)."""
+
+    workflow = serializers.CharField()
+    instance_id = serializers.IntegerField()
     task = TaskView()
+
+
+def claimed_job(claim: Claim) -> dict:
+    """A claim as protocol v1 sends it: payload keys beside the queue's own
+    (enqueue refuses a payload that uses a queue field's name)."""
+    return {**claim.payload, **ClaimedJob(claim).data}
 
 
 class ClaimResponse(serializers.Serializer):
@@ -242,9 +256,10 @@ class StatusWorker(serializers.Serializer):
 
 class StatusActive(serializers.Serializer):
     job_id = serializers.IntegerField()
-    instance_id = serializers.IntegerField()
-    task_id = serializers.IntegerField()
-    workflow = serializers.CharField()
+    # From the job's payload (jobqueue.selectors.payload_refs); null when it has no such key.
+    instance_id = serializers.IntegerField(allow_null=True)
+    task_id = serializers.IntegerField(allow_null=True)
+    workflow = serializers.CharField(allow_null=True)
     worker_id = serializers.CharField()
     attempt_number = serializers.IntegerField()
     lease_expires_at = serializers.DateTimeField()

@@ -18,7 +18,7 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from jobqueue import conf, services
+from jobqueue import conf, selectors, services
 from jobqueue.longpoll import claim_with_wait
 
 from . import serializers as s
@@ -134,7 +134,7 @@ class ClaimView(ProtocolView):
     )
     def post(self, request):
         claims = claim_with_wait(**self.validated(s.ClaimSerializer, request))
-        return Response(s.ClaimResponse({"jobs": claims}).data)
+        return Response({"jobs": [s.claimed_job(claim) for claim in claims]})
 
 
 class AttemptHeartbeatView(ProtocolView):
@@ -172,8 +172,6 @@ class FinishView(ProtocolView):
 class StatusView(ProtocolView):
     @_schema("status_retrieve", None, s.StatusResponse, "job counts, workers, active and blocked jobs")
     def get(self, request):
-        from jobqueue import selectors  # imported late: selectors imports half the project
-
         return Response(selectors.status_document())
 
 

@@ -16,8 +16,7 @@ import pytest
 from django.test import Client
 from django.test.client import ClientHandler
 
-from jobqueue.models import Affinity, Attempt, Job, JobEvent, RequirementSet
-from workers.models import Worker
+from jobqueue.models import Affinity, Attempt, Job, JobEvent, RequirementSet, Worker
 from workflows.models import Task, WorkflowInstance
 
 CANARY = "canary-wt-5c1f0e7b9a2d4863b1e8"

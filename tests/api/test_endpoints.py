@@ -7,10 +7,9 @@ import pytest
 from django.db import OperationalError, connection
 
 from jobqueue import selectors, services
-from jobqueue.models import Attempt, AttemptState, Job, JobEvent, JobState
+from jobqueue.models import Attempt, AttemptState, Job, JobEvent, JobState, Worker
 from tests.api.conftest import CANARY
-from tests.factories import claim, enqueue, make_task, register
-from workers.models import Worker
+from tests.factories import claim, enqueue, instance_id, make_task, register
 
 pytestmark = pytest.mark.django_db
 
@@ -100,7 +99,7 @@ def test_claim_returns_the_protocol_job_shape(api, clock, queue_config):
     attempt = Attempt.objects.get(pk=claimed["attempt_id"])
     assert claimed["job_id"] == job.pk and attempt.job_id == job.pk and attempt.worker_id == "w1"
     assert claimed["attempt_number"] == 1
-    assert claimed["instance_id"] == job.instance_id
+    assert claimed["instance_id"] == instance_id(job)
     assert (claimed["workflow"], claimed["agent"], claimed["runner"]) == ("triage", "engineer", "shell")
     assert claimed["lease_expires_at"] == rfc3339(clock.now() + dt.timedelta(seconds=40))
     assert claimed["task"] == {

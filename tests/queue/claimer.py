@@ -64,8 +64,7 @@ def setup(args) -> None:
     from django.core.management import call_command
     from django.db import connection
 
-    from jobqueue import services
-    from tests.factories import make_task
+    from tests.factories import enqueue_job, make_task
 
     if args.migrate:
         call_command("migrate", verbosity=0)
@@ -77,7 +76,7 @@ def setup(args) -> None:
     for i in range(args.jobs):
         if i % WORKFLOWS_PER_TASK == 0:
             task = make_task(source="inbox")
-        services.job_enqueue(task=task, workflow=f"wf{i % WORKFLOWS_PER_TASK}", runner="shell", **job_mix(i))
+        enqueue_job(task, workflow=f"wf{i % WORKFLOWS_PER_TASK}", runner="shell", **job_mix(i))
     print(json.dumps({"enqueued": args.jobs}), flush=True)
 
 

@@ -8,7 +8,9 @@ from django.db import connection
 from jobqueue import services
 from jobqueue.conf import Limits
 from jobqueue.models import Attempt, Job
-from tests.factories import claim, enqueue, make_task, register
+from jobqueue.services import attempts, claiming, jobs
+from jobqueue.services import workers as worker_services
+from tests.factories import claim, enqueue, enqueue_job, make_task, register
 from tests.queue.racing import lock_waiters, pause_in, run_thread, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -24,8 +26,8 @@ def test_requirement_set_committed_out_of_id_order_is_never_claimable(clock, mon
     """Set N commits after set N+1 was cached: a worker that matches only set N
     got [] forever: the requirement cache only asked for ids above the highest seen."""
     slow_task, fast_task = make_task(), make_task()
-    paused, release = pause_in(monkeypatch, services, "_event", "slow")
-    t, out = run_thread(lambda: services.job_enqueue(task=slow_task, workflow="triage", agent="a", runner="shell",
+    paused, release = pause_in(monkeypatch, jobs, "event", "slow")
+    t, out = run_thread(lambda: enqueue_job(slow_task, workflow="triage", agent="a", runner="shell",
                                                      project="p", labels=["gpu"]), "slow")
     wait_for(paused.is_set)                      # set N inserted, not committed
     enqueue(fast_task, labels=["cpu"])           # set N+1, committed
@@ -48,7 +50,7 @@ def test_concurrent_claims_of_one_worker_exceed_its_capacity(clock, monkeypatch)
     enqueue()
     enqueue()
     w = register("w1", capacity=1)
-    paused, release = pause_in(monkeypatch, services, "_lease", "first", after=True)
+    paused, release = pause_in(monkeypatch, claiming, "_lease", "first", after=True)
     t1, out1 = run_thread(lambda: claim(w), "first")
     wait_for(paused.is_set)                      # first claim leased 1 job, holds the worker row
     before = lock_waiters()
@@ -69,7 +71,7 @@ def test_reconcile_racing_worker_register_crashes(clock, monkeypatch):
     w = register("w1")
     [c] = claim(w)
     clock.advance(31)                            # lease ran out: reconcile will expire it
-    paused, release = pause_in(monkeypatch, services, "_expire", "register")
+    paused, release = pause_in(monkeypatch, worker_services, "expire", "register")
     t1, out1 = run_thread(lambda: register("w1"), "register")
     wait_for(paused.is_set)                      # register holds attempt + job row locks
     before = lock_waiters()
@@ -91,7 +93,7 @@ def test_reconcile_loses_a_cancel_recorded_while_it_runs(clock, monkeypatch):
     w = register("w1")
     claim(w)
     clock.advance(31)
-    paused, release = pause_in(monkeypatch, services, "_expire", "reconcile")
+    paused, release = pause_in(monkeypatch, attempts, "expire", "reconcile")
     t1, out1 = run_thread(lambda: services.reconcile(), "reconcile")
     wait_for(paused.is_set)  # reconcile holds the attempt and job rows
     before = lock_waiters()
@@ -107,9 +109,8 @@ def test_reconcile_loses_a_cancel_recorded_while_it_runs(clock, monkeypatch):
 
 
 def test_enqueue_dedup_race(clock, monkeypatch):
-    task = make_task()
-    paused, release = pause_in(monkeypatch, services, "_event", "slow")
-    kw = dict(task=task, workflow="triage", agent="a", runner="shell", project="p")
+    paused, release = pause_in(monkeypatch, jobs, "event", "slow")
+    kw = dict(key="1:1:triage", payload={}, agent="a", runner="shell", project="p", source="inbox")
     t1, out1 = run_thread(lambda: services.job_enqueue(**kw), "slow")
     wait_for(paused.is_set)
     before = lock_waiters()
@@ -128,7 +129,7 @@ def test_affinity_pin_race(clock, monkeypatch):
     enqueue(task, workflow="a", affinity=True)
     enqueue(task, workflow="b", affinity=True)
     wa, wb = register("wa"), register("wb")
-    paused, release = pause_in(monkeypatch, services, "_pin", "A", after=True)
+    paused, release = pause_in(monkeypatch, claiming, "pin", "A", after=True)
     t1, out1 = run_thread(lambda: claim(wa), "A")
     wait_for(paused.is_set)
     before = lock_waiters()
@@ -147,7 +148,7 @@ def test_project_limit_race(clock, monkeypatch, queue_config):
     enqueue()
     enqueue(labels=["x"])
     wa, wb = register("wa"), register("wb", labels=["x"])
-    paused, release = pause_in(monkeypatch, services, "_lease", "A", after=True)
+    paused, release = pause_in(monkeypatch, claiming, "_lease", "A", after=True)
     t1, out1 = run_thread(lambda: claim(wa), "A")
     wait_for(paused.is_set)
     t2, out2 = run_thread(lambda: claim(wb), "B")

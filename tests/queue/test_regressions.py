@@ -7,6 +7,8 @@ import pytest
 from jobqueue import services
 from jobqueue.conf import Limits
 from jobqueue.models import Job, JobState, RequirementSet
+from jobqueue.services.attempts import _backoff
+from jobqueue.types import Retry
 from tests.factories import claim, enqueue, register
 from workflows.runners import printable
 
@@ -41,7 +43,7 @@ def test_a_finish_carrying_text_no_database_stores_still_lands(clock, summary, e
     state = services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded", summary=summary, error=error)
     assert state == JobState.SUCCEEDED
     job.refresh_from_db()
-    assert "\x00" not in json.dumps(job.summary) and "\x00" not in job.instance.error
+    assert "\x00" not in json.dumps(job.summary) and "\x00" not in job.reason
 
 
 def test_step_output_with_nul_is_storable_at_the_source():
@@ -59,7 +61,7 @@ def test_more_job_classes_than_one_sqlite_compound_select_takes(clock):
 
 def test_max_attempts_counts_expiries_not_failed_finishes(clock, queue_config):
     queue_config(lease_duration=30)
-    job = enqueue(max_attempts=2, retry=services.Retry(max_attempts=10))
+    job = enqueue(max_attempts=2, retry=Retry(max_attempts=10))
     worker = register("w1")
     [c] = claim(worker)
     assert services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="failed") == JobState.QUEUED
@@ -76,4 +78,4 @@ def test_max_attempts_counts_expiries_not_failed_finishes(clock, queue_config):
 
 
 def test_backoff_of_a_long_failing_job_stays_at_its_cap():
-    assert 150 <= services._backoff(1.0, 300.0, 1100) <= 300
+    assert 150 <= _backoff(1.0, 300.0, 1100) <= 300

@@ -52,10 +52,12 @@ from jobqueue.models import (
     JobEvent,
     JobState,
     RequirementSet,
+    Worker,
 )
-from tests.factories import snapshot
-from workers.models import Worker
+from jobqueue.types import Retry
+from tests.factories import enqueue_job, snapshot
 from workflows.models import Task, WorkflowInstance
+from workflows.services import affinity_key
 
 # How a stale token is turned away: stale, or superseded when its worker id has registered again since.
 REFUSED = (StaleAttempt, SessionSuperseded)
@@ -78,7 +80,7 @@ WORKERS = {
 TASKS = (("s1", "a.md"), ("s2", "b.md"), ("s1", "c.md"))
 WORKFLOWS = ("triage", "fix", "review", "deploy", "docs", "release")
 WORKER_IDS = st.sampled_from(["w2", "w1", "w3"])
-RETRY = services.Retry(max_attempts=2, backoff=8.0)
+RETRY = Retry(max_attempts=2, backoff=8.0)
 OUTCOMES = (AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.CANCELLED)
 WRONG_TOKEN = "x" * 43
 
@@ -159,7 +161,7 @@ def _wipe() -> None:
     Worker.objects.all().delete()
     WorkflowInstance.objects.all().delete()
     Task.objects.all().delete()
-    services._requirements.reset()
+    services.requirement_cache.reset()
 
 
 class QueueMachine(RuleBasedStateMachine):
@@ -272,8 +274,8 @@ class QueueMachine(RuleBasedStateMachine):
         existing = self.by_key.get((task.pk, workflow))
         assert bool(existing) == bool(again or n == len(TASKS) * len(WORKFLOWS))
         before = snapshot() if existing else None
-        job, created = services.job_enqueue(
-            task=task,
+        job, created = enqueue_job(
+            task,
             workflow=workflow,
             agent=agent,
             runner=runner,
@@ -477,7 +479,7 @@ class QueueMachine(RuleBasedStateMachine):
                 self._cancel(candidates[pick % len(candidates)], by_instance=what == "cancel instance")
         elif what == "release affinity":
             task_id = self.tasks[pick % len(self.tasks)].pk
-            assert services.affinity_release(task_id=task_id) == (task_id in self.pins)
+            assert services.affinity_release(key=affinity_key(task_id)) == (task_id in self.pins)
             self.pins.pop(task_id, None)
         else:
             worker_id = sorted(WORKERS)[pick % len(WORKERS)]
@@ -486,7 +488,8 @@ class QueueMachine(RuleBasedStateMachine):
 
     def _cancel(self, job: MJob, by_instance: bool):
         if by_instance:
-            call = lambda: services.instance_cancel(instance_id=Job.objects.get(pk=job.id).instance_id)  # noqa: E731
+            instance = WorkflowInstance.objects.get(job_id=job.id)
+            call = lambda: services.job_cancel(job_id=instance.job_id)  # noqa: E731
         else:
             call = lambda: services.job_cancel(job_id=job.id)  # noqa: E731
         if job.state in TERMINAL_JOB_STATES or job.cancel_requested:
@@ -506,7 +509,7 @@ class QueueMachine(RuleBasedStateMachine):
         # Three queries per step, then every check in Python.
         jobs = {row[0]: row for row in Job.objects.values_list("id", "state", "current_attempt_id", *DIMENSIONS)}
         attempts = list(Attempt.objects.values_list("id", "job_id", "worker_id", "state", "lease_expires_at"))
-        pins = dict(Affinity.objects.values_list("task_id", "worker_id"))
+        pins = {int(key.removeprefix("task:")): w for key, w in Affinity.objects.values_list("key", "worker_id")}
         self._no_job_lost(jobs, attempts, pins)
         self._at_most_one_active_attempt_per_job(jobs, attempts)
         self._limits_and_capacity_hold(jobs, attempts)

@@ -20,6 +20,8 @@ from jobqueue.models import (
     Job,
     JobState,
 )
+from jobqueue.services.transitions import check_transition
+from jobqueue.types import Retry
 from tests.factories import claim, enqueue, register
 
 LEASE = 30.0
@@ -96,7 +98,7 @@ def leased_to_queued_by_expiry(clock):
 
 
 def leased_to_queued_by_retry(clock):
-    job, c = _leased(retry=services.Retry(max_attempts=2, backoff=1))
+    job, c = _leased(retry=Retry(max_attempts=2, backoff=1))
     return job, c, _finish(c, "failed")
 
 
@@ -180,7 +182,7 @@ def test_terminal_states_have_no_outgoing_edges():
 def test_check_transition_allows_exactly_the_table(table, states):
     for old, new in itertools.product(states, repeat=2):
         if new in table[old]:
-            services.check_transition(table, old, new)
+            check_transition(table, old, new)
         else:
             with pytest.raises(AssertionError, match="illegal transition"):
-                services.check_transition(table, old, new)
+                check_transition(table, old, new)

@@ -87,6 +87,15 @@ echo "ran $APIARY_WORKFLOW on $APIARY_WORKER_ID attempt $APIARY_ATTEMPT"
 """
 
 
+# A workflow job's payload fields as columns; `->`/`->>` read JSON alike in SQLite (3.38+) and PostgreSQL.
+PAYLOAD_COLUMNS = (
+    "j.payload->>'workflow' AS workflow,"
+    " CAST(j.payload->'task'->>'generation' AS INTEGER) AS generation,"
+    " CAST(j.payload->'task'->>'id' AS INTEGER) AS task_id,"
+    " CAST(j.payload->>'instance_id' AS INTEGER) AS instance_id"
+)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -382,12 +391,23 @@ class ControlPlane:
         return next(iter(rows[0].values())) if isinstance(rows[0], dict) else rows[0][0]
 
     def jobs(self, title: str) -> list[sqlite3.Row]:
-        return self.rows(
-            "SELECT j.id, j.state, j.workflow, j.generation, j.task_id, j.instance_id, j.summary, j.reason,"
-            " j.cancel_requested_at FROM queue_job j JOIN workflows_task t ON t.id = j.task_id"
+        """The jobs of a task. Workflow, generation, task and instance are read from
+        the job's payload (workflows/payload.py); the instance row that points at the
+        job (`workflows_workflowinstance.job_id`) must say the same."""
+        rows = self.rows(
+            f"SELECT j.id, j.state, {PAYLOAD_COLUMNS}, j.summary, j.reason, j.cancel_requested_at,"
+            " i.id AS row_instance_id, i.task_id AS row_task_id, i.workflow AS row_workflow,"
+            " i.generation AS row_generation"
+            " FROM queue_job j JOIN workflows_task t ON t.id = CAST(j.payload->'task'->>'id' AS INTEGER)"
+            " LEFT JOIN workflows_workflowinstance i ON i.job_id = j.id"
             " WHERE t.title = ? ORDER BY j.id",
             title,
         )
+        for row in rows:
+            payload = (row["instance_id"], row["task_id"], row["workflow"], row["generation"])
+            instance = (row["row_instance_id"], row["row_task_id"], row["row_workflow"], row["row_generation"])
+            assert payload == instance, f"job {row['id']}: payload {payload} but instance row {instance}"
+        return rows
 
     def job(self, title: str, workflow: str, generation: int = 1) -> sqlite3.Row | None:
         return next((j for j in self.jobs(title) if j["workflow"] == workflow and j["generation"] == generation), None)
@@ -405,7 +425,7 @@ class ControlPlane:
         return [r for r in rows if kind is None or r["kind"] == kind]
 
     def worker_row(self, worker_id: str) -> sqlite3.Row | None:
-        rows = self.rows("SELECT * FROM workers_worker WHERE worker_id = ?", worker_id)
+        rows = self.rows("SELECT * FROM queue_worker WHERE worker_id = ?", worker_id)
         return rows[0] if rows else None
 
     def all_done(self, *titles: str, count: int | None = None) -> list[sqlite3.Row] | None:
@@ -420,7 +440,7 @@ class ControlPlane:
         now = dt.datetime.now(dt.UTC)
         return [
             w["worker_id"]
-            for w in self.rows("SELECT * FROM workers_worker")
+            for w in self.rows("SELECT * FROM queue_worker")
             if w["ready"] and not w["draining"] and not w["drain_requested"]
             and (now - utc(w["last_heartbeat_at"])).total_seconds() <= WORKER_TIMEOUT
         ]
@@ -463,7 +483,7 @@ class WorkerProcess:
         return self.proc.pid
 
     def registered(self) -> bool:
-        return bool(self.cp.value("SELECT 1 FROM workers_worker WHERE worker_id = ? AND pid = ?", self.worker_id,
+        return bool(self.cp.value("SELECT 1 FROM queue_worker WHERE worker_id = ? AND pid = ?", self.worker_id,
                                   self.pid))
 
     def wait_registered(self) -> WorkerProcess:
@@ -559,6 +579,8 @@ def workers(cp, canary_record):
     for title in cp.titles:
         cp.open_gate(title)
     if cp.proc.poll() is None:
-        leftover = cp.rows("SELECT instance_id FROM queue_job WHERE state IN ('queued', 'leased')")
+        leftover = cp.rows(
+            f"SELECT {PAYLOAD_COLUMNS} FROM queue_job j WHERE j.state IN ('queued', 'leased')"
+        )
         for row in leftover:
             cp.cli("cancel", str(row["instance_id"]), check=False)

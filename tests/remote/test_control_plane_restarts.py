@@ -246,7 +246,8 @@ def pg_plane(pg_database_url, tmp_path):
 
 def bulk_jobs(cp: ControlPlane) -> list[dict]:
     return cp.rows(
-        "SELECT j.id, j.state FROM queue_job j JOIN workflows_task t ON t.id = j.task_id"
+        "SELECT j.id, j.state FROM queue_job j"
+        " JOIN workflows_task t ON t.id = CAST(j.payload->'task'->>'id' AS INTEGER)"  # the task is in the payload
         " WHERE t.title LIKE 'bulk-%' ORDER BY j.id"
     )
 

@@ -1,12 +1,13 @@
 """Runs one claimed job: the workflow's steps, in order, in the task's workspace.
 
-The executor knows nothing of leases or transports: it gets a claim and a
-cancel event, runs each step through the runner adapters, records step
-history, and returns the outcome. The runtime decides what to do with it.
+The executor knows nothing of leases or transports: it gets a claim, a
+cancel event and the SIGTERM→SIGKILL grace, runs each step through the
+runner adapters, records step history, and returns the outcome. It is what
+the worker runtime's `Executor` protocol (workers.runtime) asks for; the
+runtime decides what to do with the outcome.
 """
 
 import contextlib
-import dataclasses
 import datetime as dt
 import json
 import logging
@@ -17,21 +18,15 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from jobqueue.services import Claim
-from jobqueue.sql import clean
-from workflows import runners, templates
-from workflows.config import Config, StepConfig
+from jobqueue.text import clean
+from jobqueue.types import Claim
+from workers.pgroups import ProcessGroups
+from workers.runtime import Outcome
 
-from .pgroups import ProcessGroups
+from . import payload, runners, templates
+from .config import Config, StepConfig
 
 log = logging.getLogger("apiary.worker")
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    outcome: str  # succeeded | failed | cancelled
-    summary: dict
-    error: str | None = None
 
 
 class History(Protocol):
@@ -57,7 +52,9 @@ WITHHELD_ENV = ("APIARY_WORKER_TOKEN", "DATABASE_URL", "DJANGO_SECRET_KEY")
 TASK_TEXT_CAP = 32 * 1024
 
 
-def task_environment(claim: Claim, *, worker_id: str, workspace: Path, task_file: Path) -> dict[str, str]:
+def task_environment(
+    claim: Claim, job: payload.WorkflowJob, *, worker_id: str, workspace: Path, task_file: Path
+) -> dict[str, str]:
     """Identity and task fields for every step process. Task text travels in
     the environment, never spliced into a command line.
 
@@ -67,14 +64,14 @@ def task_environment(claim: Claim, *, worker_id: str, workspace: Path, task_file
     boundary, ending with a note saying so. APIARY_TASK_FILE names a JSON file
     with the whole task, unchanged and uncut (`task_file_write`); read it when
     the text may be long: `jq -r .body "$APIARY_TASK_FILE"`."""
-    task = clean(dict(claim.task))
+    task = clean(dict(job.task))
     env = {
         "APIARY_JOB_ID": str(claim.job_id),
         "APIARY_ATTEMPT": str(claim.attempt_number),
-        "APIARY_INSTANCE_ID": str(claim.instance_id),
+        "APIARY_INSTANCE_ID": str(job.instance_id),
         "APIARY_WORKER_ID": worker_id,
         "APIARY_WORKSPACE": str(workspace),
-        "APIARY_WORKFLOW": claim.workflow,
+        "APIARY_WORKFLOW": job.workflow,
         "APIARY_TASK_ID": str(task["id"]),
         "APIARY_TASK_SOURCE": str(task.get("source", "")),
         "APIARY_TASK_ITEM_KEY": _capped(str(task.get("item_key", ""))),
@@ -87,11 +84,11 @@ def task_environment(claim: Claim, *, worker_id: str, workspace: Path, task_file
     return {name: _env_safe(value) for name, value in env.items()}
 
 
-def task_file_write(claim: Claim, path: Path) -> None:
+def task_file_write(task: dict, path: Path) -> None:
     """The whole task as JSON, for APIARY_TASK_FILE. A lone surrogate is
     written as its JSON escape (\\udXXX), so the file is always valid UTF-8 JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(claim.task, ensure_ascii=False, indent=2, default=str)
+    text = json.dumps(task, ensure_ascii=False, indent=2, default=str)
     path.write_text(text + "\n", encoding="utf-8", errors="backslashreplace")
 
 
@@ -116,32 +113,35 @@ def _env_safe(value: str) -> str:
 
 
 class Executor:
-    def __init__(self, *, config: Config, worker_id: str, history: History, groups: ProcessGroups, grace: float = 5.0):
+    def __init__(self, *, config: Config, worker_id: str, history: History, groups: ProcessGroups):
         self.config = config
         self.worker_id = worker_id
         self.history = history
         self.groups = groups
-        self.grace = grace
 
-    def run(self, claim: Claim, cancel: threading.Event) -> Outcome:
-        workflow = self.config.workflows.get(claim.workflow)
+    def run(self, claim: Claim, cancel: threading.Event, *, grace: float) -> Outcome:
+        try:
+            job = payload.read(claim)
+        except payload.PayloadError as exc:
+            return Outcome("failed", {}, str(exc))
+        workflow = self.config.workflows.get(job.workflow)
         if workflow is None:
-            return Outcome("failed", {}, f"workflow {claim.workflow!r} is not in this worker's config")
+            return Outcome("failed", {}, f"workflow {job.workflow!r} is not in this worker's config")
         agent = self.config.agents[workflow.agent]
         state = self.config.state_dir
-        workspace = state / "workspaces" / str(claim.task["id"])
+        workspace = state / "workspaces" / str(job.task["id"])
         workspace.mkdir(parents=True, exist_ok=True)
-        logs = state / "logs" / str(claim.instance_id)
+        logs = state / "logs" / str(job.instance_id)
         task_file = logs / f"task-{claim.attempt_number}.json"
         try:
-            task_file_write(claim, task_file)
+            task_file_write(job.task, task_file)
         except OSError as exc:
             return Outcome("failed", {}, f"cannot write the task file {task_file}: {exc}")
         inherited = {name: value for name, value in os.environ.items() if name not in WITHHELD_ENV}
-        task_env = task_environment(claim, worker_id=self.worker_id, workspace=workspace, task_file=task_file)
+        task_env = task_environment(claim, job, worker_id=self.worker_id, workspace=workspace, task_file=task_file)
         base_env = {**inherited, **agent.env, **task_env}
         # Rendered prompts and commands become argv and environment strings, which hold no NUL.
-        context = {"task": clean(dict(claim.task)), "steps": {}, "workflow": claim.workflow, "attempt": claim.attempt_number}
+        context = {"task": clean(dict(job.task)), "steps": {}, "workflow": job.workflow, "attempt": claim.attempt_number}
         deadline = time.monotonic() + workflow.timeout if workflow.timeout else None
         steps_summary: list[dict] = []
         outcome, error = "succeeded", None
@@ -187,14 +187,14 @@ class Executor:
                     log_path=log_path,
                     timeout=timeout,
                     cancel=cancel,
-                    grace=self.grace,
+                    grace=grace,
                     on_spawn=on_spawn,
                 )
             except Exception as exc:
                 # run_step reports the step's own failures as a result; this is ours (a log or
                 # process-group record that cannot be written, an argument the OS refuses). The
                 # step's history row must still be finished, or it shows `running` forever.
-                log.exception("step %s of instance %s could not be run", step.id, claim.instance_id)
+                log.exception("step %s of instance %s could not be run", step.id, job.instance_id)
                 result = _unstarted(log_path, started, f"apiary: step {step.id} could not be run: {exc!r}")
             for pgid in spawned:  # run_step ended the whole group, background children too
                 self.groups.remove(pgid)

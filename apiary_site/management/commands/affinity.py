@@ -2,8 +2,9 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobqueue import services
-from jobqueue.selectors import task_exists, task_pin
+from jobqueue import selectors, services
+from workflows.models import Task
+from workflows.services import affinity_key
 
 
 class Command(BaseCommand):
@@ -16,10 +17,11 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         task_id = options["task"]
-        if not task_exists(task_id=task_id):
+        if not Task.objects.filter(pk=task_id).exists():
             raise CommandError(f"no task {task_id}")
-        pinned_to = task_pin(task_id=task_id)
-        if services.affinity_release(task_id=task_id):
+        key = affinity_key(task_id)
+        pinned_to = selectors.affinity_pin(key=key)
+        if services.affinity_release(key=key):
             self.stdout.write(f"task {task_id}: released its pin to worker {pinned_to}")
         else:
             self.stdout.write(f"task {task_id} was not pinned")

@@ -7,9 +7,7 @@ import threading
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobqueue.services import WORKER_ID_RE
-from workers.embedded import capabilities_for
-from workers.executor import Executor
+from jobqueue.types import WORKER_ID_HINT, WORKER_ID_RE
 from workers.http import HttpTransport
 from workers.localdb import LocalDB
 from workers.pgroups import ProcessGroups
@@ -17,6 +15,8 @@ from workers.runtime import WorkerRuntime
 from workers.transport import TransportError, Unauthorized, WorkerSpec
 from workflows import runners
 from workflows.config import ConfigError, find_config_path, load
+from workflows.executor import Executor
+from workflows.services import worker_capabilities
 
 log = logging.getLogger("apiary.worker")
 
@@ -49,10 +49,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc), returncode=2) from exc
         worker_id = options["worker_id"]
         if not WORKER_ID_RE.fullmatch(worker_id):  # also a file name under .apiary/: checked before any use
-            raise CommandError(
-                f"--id {worker_id!r}: expected 1–128 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit",
-                returncode=2,
-            )
+            raise CommandError(f"--id {worker_id!r}: expected {WORKER_ID_HINT}", returncode=2)
         state = config.state_dir
         groups = ProcessGroups(state / "run" / worker_id)
         groups.reap_orphans(grace=options["grace"])
@@ -61,7 +58,7 @@ class Command(BaseCommand):
             worker_id=worker_id,
             pool=options["pool"],
             labels=tuple(sorted(set(options["label"]))),
-            capabilities=capabilities_for(runners.available_adapters(), tuple(options["capability"])),
+            capabilities=worker_capabilities(runners.available_adapters(), tuple(options["capability"])),
             capacity=options["capacity"],
         )
         transport = HttpTransport(
@@ -70,8 +67,9 @@ class Command(BaseCommand):
         runtime = WorkerRuntime(
             transport=transport,
             spec=spec,
-            executor=Executor(config=config, worker_id=worker_id, history=localdb, groups=groups, grace=options["grace"]),
+            executor=Executor(config=config, worker_id=worker_id, history=localdb, groups=groups),
             claim_wait=max(0.0, min(30.0, options["claim_wait"])),
+            grace=options["grace"],
             outbox=localdb,
         )
         count = {"signals": 0}

@@ -51,5 +51,5 @@ class Command(BaseCommand):
         task = services.task_add(source=source, title=options["title"], body=options["body"], payload=payload)
         jobs = services.dispatch(config=config, task=task, workflows=workflows)
         self.stdout.write(f"task {task.pk} ({task.source}:{task.item_key}) dispatched: " + ", ".join(
-            f"instance {job.instance_id} ({job.workflow})" for job in jobs
+            f"instance {job.payload['instance_id']} ({job.payload['workflow']})" for job in jobs
         ))

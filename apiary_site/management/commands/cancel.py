@@ -5,7 +5,7 @@ from django.core.management.base import BaseCommand, CommandError
 from jobqueue import services
 from jobqueue.exceptions import NotFound
 from jobqueue.models import TERMINAL_JOB_STATES, JobState
-from jobqueue.selectors import instance_job
+from workflows.selectors import instance_of
 
 
 class Command(BaseCommand):
@@ -17,11 +17,12 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         instance_id = options["instance"]
-        before = instance_job(instance_id=instance_id)
-        if before is None:
+        instance = instance_of(instance_id=instance_id)
+        if instance is None or instance.job is None:
             raise CommandError(f"no workflow instance {instance_id}")
+        before = instance.job
         try:
-            job = services.instance_cancel(instance_id=instance_id)
+            job = services.job_cancel(job_id=before.pk)
         except NotFound as exc:
             raise CommandError(f"no workflow instance {instance_id}: {exc.message}") from exc
         what = f"instance {instance_id} (job {job.pk})"

@@ -9,10 +9,8 @@ from collections.abc import Iterable
 
 from django.db.models import Count, Q, QuerySet
 
-from jobqueue import conf
-from jobqueue.models import Attempt, AttemptState
-
-from .models import Worker
+from .. import conf
+from ..models import Attempt, AttemptState, Worker
 
 HEALTHY = "healthy"
 STALE = "stale"

@@ -1,23 +1,20 @@
-"""Read-only queries over the queue: the status document and why queued jobs wait.
+"""Why queued jobs wait: the `blocked` list of the status document.
 
-Nothing here writes. `status_document()` is exactly the `GET status` body of
-PROTOCOL.md; `apiary status --json` prints it and the text renderer reads it.
+Cheap on a big queue: queued jobs are grouped in one query and each group is
+judged once against the workers (see `blocked_reasons`).
 """
 
 import dataclasses
 import datetime as dt
 from collections import Counter
 
-from django.db.models import BooleanField, Case, CharField, Count, F, Min, Q, Value, When
+from django.db.models import BooleanField, Case, Count, Exists, Min, OuterRef, Subquery, Value, When
 
-from workers.models import Worker
-from workers.selectors import HEALTHY, active_jobs, worker_health, worker_is_draining, workers_all
-from workflows.models import Task
-
-from . import conf
-from .clock import get_clock
-from .conf import DIMENSIONS, PLURAL
-from .models import Affinity, Attempt, AttemptState, Job, JobState, RequirementSet
+from .. import conf
+from ..clock import get_clock
+from ..conf import DIMENSIONS, PLURAL
+from ..models import Affinity, Attempt, AttemptState, Job, JobState, RequirementSet, Worker
+from .workers import HEALTHY, active_jobs, worker_health, worker_is_draining, workers_all
 
 # The `blocked` list names at most this many jobs: on a deep queue whose
 # workers are all gone, listing every job would make status as slow as the queue is long.
@@ -31,99 +28,6 @@ def rfc3339(value: dt.datetime | None) -> str | None:
     if value is None:
         return None
     return value.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
-
-
-# --------------------------------------------------------------------------- small lookups for commands and admin
-
-
-def instance_job(*, instance_id: int) -> Job | None:
-    """The job of a workflow instance, or None when there is no such instance."""
-    return Job.objects.filter(instance_id=instance_id).first()
-
-
-def task_exists(*, task_id: int) -> bool:
-    return Task.objects.filter(pk=task_id).exists()
-
-
-def task_pin(*, task_id: int) -> str | None:
-    """The worker id a task is pinned to, or None."""
-    return Affinity.objects.filter(task_id=task_id).values_list("worker_id", flat=True).first()
-
-
-# --------------------------------------------------------------------------- the status document
-
-
-def job_counts() -> dict[str, int]:
-    counts = {state.value: 0 for state in JobState}
-    for row in Job.objects.values("state").annotate(n=Count("id")).order_by():
-        counts[row["state"]] = row["n"]
-    return counts
-
-
-def _worker_view(worker: Worker, *, now: dt.datetime, live: dict[str, int], timeout: float) -> dict:
-    return {
-        "worker_id": worker.worker_id,
-        "pool": worker.pool,
-        "labels": list(worker.labels),
-        "capabilities": list(worker.capabilities),
-        "capacity": worker.capacity,
-        "active_jobs": live.get(worker.worker_id, 0),
-        "health": worker_health(worker, now=now, timeout=timeout),
-        # What the claim obeys: the worker's own word or an operator's request.
-        "draining": worker_is_draining(worker),
-        "ready": worker.ready,
-        "last_heartbeat_at": rfc3339(worker.last_heartbeat_at),
-    }
-
-
-def active_attempts() -> list[dict]:
-    """Every attempt still holding its job (including one whose lease ran out
-    but that the reaper has not expired yet: its lease time shows that)."""
-    rows = (
-        Attempt.objects.filter(state=AttemptState.ACTIVE)
-        .values(
-            "job_id",
-            "job__instance_id",
-            "job__task_id",
-            "job__workflow",
-            "worker_id",
-            "number",
-            "lease_expires_at",
-            "job__cancel_requested_at",
-        )
-        .order_by("job_id", "id")
-    )
-    return [
-        {
-            "job_id": r["job_id"],
-            "instance_id": r["job__instance_id"],
-            "task_id": r["job__task_id"],
-            "workflow": r["job__workflow"],
-            "worker_id": r["worker_id"],
-            "attempt_number": r["number"],
-            "lease_expires_at": rfc3339(r["lease_expires_at"]),
-            "cancel_requested": r["job__cancel_requested_at"] is not None,
-        }
-        for r in rows
-    ]
-
-
-def status_document(*, now: dt.datetime | None = None) -> dict:
-    """The `GET status` document of PROTOCOL.md, read at `now` (default: the
-    injected clock). `blocked` holds at most BLOCKED_LIMIT jobs."""
-    now = now or get_clock().now()
-    timeout = conf.current().worker_timeout
-    workers = workers_all()
-    live = active_jobs(now=now)
-    return {
-        "jobs": job_counts(),
-        "workers": [_worker_view(w, now=now, live=live, timeout=timeout) for w in workers],
-        "active": active_attempts(),
-        "blocked": _blocked(now=now, workers=workers, live=live, limit=BLOCKED_LIMIT),
-    }
-
-
-# --------------------------------------------------------------------------- blocked reasons
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,12 +88,8 @@ def _queued_groups(now: dt.datetime) -> list[_Group]:
     rows = (
         Job.objects.filter(state=JobState.QUEUED)
         .annotate(
-            # A pin matters only to affinity jobs; other jobs of a pinned task go anywhere.
-            pin=Case(
-                When(affinity=True, then=F("task__affinity__worker_id")),
-                default=Value(None),
-                output_field=CharField(),
-            ),
+            # Only jobs with an affinity key can be pinned.
+            pin=Subquery(Affinity.objects.filter(key=OuterRef("affinity_key")).values("worker_id")[:1]),
             later=Case(When(available_at__gt=now, then=Value(True)), default=Value(False), output_field=BooleanField()),
         )
         .values("requirements_id", *DIMENSIONS, "pin", "later")
@@ -201,10 +101,8 @@ def _queued_groups(now: dt.datetime) -> list[_Group]:
 
 def _group_jobs(group: _Group, now: dt.datetime, n: int) -> list[tuple[int, dt.datetime]]:
     qs = Job.objects.filter(state=JobState.QUEUED, requirements_id=group.requirements_id, **group.keys())
-    if group.pin is None:
-        qs = qs.filter(Q(affinity=False) | Q(task__affinity__isnull=True))
-    else:
-        qs = qs.filter(affinity=True, task__affinity__worker_id=group.pin)
+    pinned = Affinity.objects.filter(key=OuterRef("affinity_key"))
+    qs = qs.exclude(Exists(pinned)) if group.pin is None else qs.filter(Exists(pinned.filter(worker_id=group.pin)))
     qs = qs.filter(available_at__gt=now) if group.later else qs.filter(available_at__lte=now)
     return list(qs.order_by("-priority", "available_at", "id").values_list("id", "available_at")[:n])
 

@@ -1,0 +1,90 @@
+"""`apiary run`: the control plane, with the embedded worker unless configured off."""
+
+import argparse
+import logging
+import signal
+import threading
+
+from django.core.management.base import BaseCommand, CommandError
+
+from apiary_site import bootstrap
+from apiary_site import listener as apiary_listener
+from jobqueue import services as queue
+from workflows.controlplane import ControlPlane
+from workflows.daemon import Daemon, embedded_runtime
+
+log = logging.getLogger("apiary.controlplane")
+
+
+class Command(BaseCommand):
+    help = "Run the control plane: migrate, reconcile, poll sources, dispatch, reap leases, run the embedded worker."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--config", help="path to apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
+        parser.add_argument(
+            "--until-idle",
+            action="store_true",
+            help="exit 0 once every source has been polled and no job is queued or leased "
+            "(exit 3 when the queued jobs left can never run, e.g. no worker in their pool)",
+        )
+        parser.add_argument("--tick", type=float, default=0.2, help=argparse.SUPPRESS)
+
+    def handle(self, *args, **options):
+        config = bootstrap.configure(options["config"])
+        bootstrap.prepare_database(config)
+        expired = queue.reconcile()
+        log.info(
+            "control plane up: project %s, config %s; reconciled %d expired lease(s)", config.project, config.path, expired
+        )
+        for warning in config.warnings:
+            log.warning("config: %s", warning)
+
+        listener = None
+        queue_settings = config.settings.queue
+        if queue_settings.listen:
+            if not queue_settings.worker_token:
+                raise CommandError(
+                    "settings.queue.listen is set but settings.queue.worker_token is empty: "
+                    "refusing to serve the worker protocol without a token",
+                    returncode=2,
+                )
+            listener = apiary_listener.start(queue_settings.listen, config_path=str(config.path))
+            log.info("worker protocol listening on %s (gunicorn, pid %s)", queue_settings.listen, listener.pid)
+
+        daemon = Daemon(
+            config=config,
+            control=ControlPlane(config=config),
+            runtime=embedded_runtime(config) if queue_settings.embedded_worker else None,
+            listener=listener,
+            until_idle=options["until_idle"],
+        )
+        stop = threading.Event()
+        signals = {"count": 0, "acted": 0}
+
+        # The handler only records the signal: it runs on the main thread between
+        # any two bytecodes, possibly while that thread holds the runtime's lock.
+        def on_signal(signum, frame):
+            signals["count"] += 1
+            stop.set()
+
+        def act_on_signals() -> None:
+            if signals["acted"] < 1 <= signals["count"]:
+                signals["acted"] = 1
+                log.info("signal: draining (a second signal stops running jobs)")
+                if daemon.runtime:
+                    daemon.runtime.request_drain("shutting down")
+            if signals["acted"] < 2 <= signals["count"]:
+                signals["acted"] = 2
+                if daemon.runtime:
+                    daemon.runtime.cancel_all("second signal")
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            daemon.start()
+            exit_code = daemon.run(stop=stop, tick=options["tick"], signals=act_on_signals)
+        finally:
+            daemon.stop_listener()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if exit_code:
+            raise SystemExit(exit_code)

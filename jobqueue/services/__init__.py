@@ -1,0 +1,40 @@
+"""Every state change of the queue, one durable transaction each.
+
+Views, admin actions, commands and the worker runtime call these functions;
+nothing else writes queue rows. Each takes `now` from the injected clock
+(`clock=` or jobqueue.clock's current clock), raises domain errors from
+jobqueue.exceptions, and writes a JobEvent row per job transition in the same
+transaction. Job and attempt states move only through
+`services.transitions` (a compare-and-set with a row count check).
+
+    jobs.py       job_enqueue (and job_enqueue_in, inside a caller's transaction), job_cancel
+    claiming.py   jobs_claim
+    attempts.py   attempt_heartbeat, attempt_finish, leases_expire, reconcile
+    workers.py    worker_register, worker_heartbeat, worker_drain, worker_undrain
+    affinity.py   affinity_release (and the pin a claim takes)
+"""
+
+from .affinity import affinity_release
+from .attempts import attempt_finish, attempt_heartbeat, leases_expire, reconcile
+from .claiming import jobs_claim, requirement_cache
+from .common import hash_token
+from .jobs import job_cancel, job_enqueue, job_enqueue_in
+from .workers import worker_drain, worker_heartbeat, worker_register, worker_undrain
+
+__all__ = [
+    "affinity_release",
+    "attempt_finish",
+    "attempt_heartbeat",
+    "hash_token",
+    "job_cancel",
+    "job_enqueue",
+    "job_enqueue_in",
+    "jobs_claim",
+    "leases_expire",
+    "reconcile",
+    "requirement_cache",
+    "worker_drain",
+    "worker_heartbeat",
+    "worker_register",
+    "worker_undrain",
+]

@@ -1,0 +1,37 @@
+"""Affinity pins: jobs sharing an affinity key run on the worker that claimed the first of them."""
+
+import datetime as dt
+import hashlib
+
+from .. import sql
+from ..clock import Clock
+from ..models import Affinity
+from .common import log, postgres, service
+
+PIN_LOCK_SPACE = 0x41504941  # "APIA": the advisory-lock key space of affinity pins
+
+
+def pin(cursor, key: str, worker_id: str, now: dt.datetime) -> bool:
+    """Inside a claim: pin `key` to the claimer unless it is pinned already;
+    True when it is pinned to us.
+
+    On PostgreSQL a concurrent claimer pinning the same key would make the
+    insert wait for its commit, and two claims pinning two keys in opposite
+    orders would deadlock: a try-lock per key passes the job over instead."""
+    if postgres():
+        lock = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big", signed=True)
+        cursor.execute(sql.TRY_LOCK_PIN, [PIN_LOCK_SPACE, lock])
+        if not cursor.fetchone()[0]:
+            return False
+    cursor.execute(sql.INSERT_PIN, [key, worker_id, sql.ts(now)])
+    return sql.one(cursor, sql.PIN_OF, [key])[0] == worker_id
+
+
+@service
+def affinity_release(*, key: str, clock: Clock | None = None) -> bool:
+    """Unpin an affinity key; its waiting jobs go to any eligible worker. False when it was not pinned."""
+    deleted, _ = Affinity.objects.filter(key=key).delete()
+    if deleted:
+        log.info("affinity released: %s", key)
+    return bool(deleted)
+

@@ -1,0 +1,194 @@
+"""Fenced calls on an attempt (heartbeat, finish) and the end of attempts
+whose lease ran out (the reaper, start-up reconciliation)."""
+
+import dataclasses
+import datetime as dt
+import hmac
+import random
+
+from django.db import connection
+
+from .. import conf, sql
+from ..clock import Clock
+from ..exceptions import InvalidRequest, NotFound, SessionSuperseded, StaleAttempt
+from ..models import Attempt, AttemptState, JobState
+from ..text import clean
+from ..types import OUTCOMES, Heartbeat
+from .common import event, hash_token, now_of, postgres, service
+from .transitions import attempt_move, checked, job_move
+
+_jitter = random.Random()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fenced:
+    state: str
+    lease_expires_at: object
+    live: bool
+    job_state_after: str
+    number: int
+    worker_id: str
+    job_id: int
+    job_state: str
+    current_attempt_id: int | None
+    cancel_requested: bool
+    retry_max_attempts: int
+    retry_backoff: float
+    retry_backoff_max: float
+    superseded: bool  # the worker id has registered again since this attempt's claim
+
+
+def _fenced(cursor, attempt_id: int, token: str, n_ow) -> _Fenced:
+    """The attempt, when `token` is its token; StaleAttempt or NotFound otherwise."""
+    row = sql.one(cursor, sql.fenced_attempt(postgres()), [n_ow, attempt_id])
+    if row is None:
+        raise NotFound(f"attempt {attempt_id} does not exist", attempt_id=attempt_id)
+    if not hmac.compare_digest(row[0], hash_token(token)):
+        raise StaleAttempt(f"the token does not match attempt {attempt_id}", attempt_id=attempt_id)
+    return _Fenced(*row[1:])
+
+
+def _require_live(attempt_id: int, a: _Fenced) -> None:
+    if a.state == AttemptState.EXPIRED and a.superseded:  # PROTOCOL: the old session's calls answer so
+        raise SessionSuperseded(
+            f"worker {a.worker_id!r} was registered again by a newer process; attempt {attempt_id} was expired",
+            worker_id=a.worker_id,
+        )
+    if a.state != AttemptState.ACTIVE:
+        raise StaleAttempt(f"attempt {attempt_id} already ended ({a.state})", attempt_id=attempt_id)
+    if a.current_attempt_id != attempt_id:
+        raise StaleAttempt(f"attempt {attempt_id} is not job {a.job_id}'s current attempt", attempt_id=attempt_id)
+    if not a.live:
+        raise StaleAttempt(f"attempt {attempt_id}'s lease expired at {a.lease_expires_at}", attempt_id=attempt_id)
+
+
+@service
+def attempt_heartbeat(*, attempt_id: int, token: str, clock: Clock | None = None) -> Heartbeat:
+    """Extend the lease to now + lease_duration; answers whether a cancel was requested."""
+    now = now_of(clock)
+    with connection.cursor() as cursor:
+        a = _fenced(cursor, attempt_id, token, sql.ts(now))
+        _require_live(attempt_id, a)
+        expires = now + conf.current().lease
+        checked(cursor, sql.EXTEND_LEASE, [sql.ts(expires), sql.ts(now), attempt_id], f"lease of attempt {attempt_id}")
+    return Heartbeat(lease_expires_at=expires, cancel=bool(a.cancel_requested))
+
+
+def _backoff(base: float, cap: float, failures: int) -> float:
+    """Exponential, capped, with equal jitter so retries of many jobs spread out."""
+    delay = min(cap, base * 2 ** min(failures - 1, 64))  # 2**64 × any base is past any cap
+    return delay / 2 + _jitter.uniform(0, delay / 2)
+
+
+@service
+def attempt_finish(
+    *,
+    attempt_id: int,
+    token: str,
+    outcome: str,
+    summary: dict | None = None,
+    error: str | None = None,
+    clock: Clock | None = None,
+) -> str:
+    """End the attempt with the worker's outcome; returns the job's resulting
+    state. A cancel recorded before this finish makes it `cancelled`; a failure
+    with a retry left queues the job again after the backoff. Sending the same
+    finish again returns the same answer and changes nothing. Writes queue
+    tables only."""
+    if outcome not in OUTCOMES:
+        raise InvalidRequest(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}", field="outcome")
+    now = now_of(clock)
+    summary, error = summary or {}, clean(error or "")
+    with connection.cursor() as cursor:
+        a = _fenced(cursor, attempt_id, token, sql.ts(now))
+        if a.state == outcome and a.job_state_after:  # the same finish again
+            return a.job_state_after
+        _require_live(attempt_id, a)
+        reason = ""
+        if a.cancel_requested or outcome == AttemptState.CANCELLED:
+            new_state = JobState.CANCELLED
+            reason = "cancelled on request" if a.cancel_requested else "cancelled by the worker"
+        elif outcome == AttemptState.SUCCEEDED:
+            new_state = JobState.SUCCEEDED
+        else:
+            failures = sql.one(cursor, sql.FAILED_ATTEMPTS, [a.job_id])[0] + 1
+            new_state = JobState.QUEUED if failures < a.retry_max_attempts else JobState.FAILED
+            reason = error or f"attempt {a.number} failed"
+        attempt_move(
+            cursor, attempt_id=attempt_id, old=a.state, new=outcome, finished_at=now, error=error, job_state=new_state
+        )
+        detail = {"outcome": outcome, "job_state": new_state}
+        if new_state == JobState.QUEUED:
+            available = now + dt.timedelta(seconds=_backoff(a.retry_backoff, a.retry_backoff_max, failures))
+            job_move(
+                cursor, job_id=a.job_id, old=a.job_state, new=new_state, available_at=available, current_attempt_id=None
+            )
+            detail |= {"retry_at": available.isoformat(), "failures": failures}
+        else:
+            job_move(
+                cursor, job_id=a.job_id, old=a.job_state, new=new_state, summary=summary, finished_at=now, reason=reason
+            )
+        event(cursor, job_id=a.job_id, kind="finished", at=now, worker_id=a.worker_id, attempt_id=attempt_id, **detail)
+    return new_state
+
+
+def expire(attempt: Attempt, now: dt.datetime, why: str) -> str:
+    """End an active attempt as expired; requeue its job, or settle it. The
+    caller holds the attempt and job rows (read with `select_related("job")`)."""
+    job = attempt.job
+    with connection.cursor() as cursor:
+        attempt_move(cursor, attempt_id=attempt.pk, old=attempt.state, new=AttemptState.EXPIRED, finished_at=now, error=why)
+        attempt.state, attempt.finished_at = AttemptState.EXPIRED, now
+        if job.current_attempt_id != attempt.pk or job.state != JobState.LEASED:
+            return job.state
+        expiries = sql.one(cursor, sql.EXPIRED_ATTEMPTS, [job.pk])[0]  # this one included
+        fields: dict = {"finished_at": now}
+        if job.cancel_requested_at is not None:
+            new_state = JobState.CANCELLED
+        elif expiries >= job.max_attempts:
+            new_state = JobState.FAILED
+            fields["reason"] = f"{why}: lease expired {expiries} times; max_attempts ({job.max_attempts}) reached"
+        else:
+            new_state, fields = JobState.QUEUED, {"available_at": now, "current_attempt_id": None}
+        job_move(cursor, job_id=job.pk, old=job.state, new=new_state, **fields)
+        job.state = new_state
+        for name, value in fields.items():
+            setattr(job, name, value)
+        event(
+            cursor, job_id=job.pk, kind="expired", at=now, worker_id=attempt.worker_id, attempt_id=attempt.pk,
+            why=why, job_state=new_state,
+        )
+    return new_state
+
+
+def _expire_passed(now: dt.datetime, batch: int, why: str) -> list[Attempt]:
+    """Expire up to `batch` attempts whose lease has passed. On PostgreSQL the
+    attempt and job rows are locked first (a cancel, a finish or a worker
+    registering at the same moment is either done before or waits), and rows
+    another transaction holds are left for the next round."""
+    qs = Attempt.objects.select_related("job").filter(state=AttemptState.ACTIVE, lease_expires_at__lte=now)
+    if postgres():
+        qs = qs.select_for_update(skip_locked=True, of=("self", "job"))
+    expired = list(qs.order_by("lease_expires_at")[:batch])
+    for attempt in expired:
+        where = f"on worker {attempt.worker_id}" + (f" {why}" if why else "")
+        expire(attempt, now, f"lease expired at {attempt.lease_expires_at.isoformat()} {where}")
+    return expired
+
+
+@service
+def leases_expire(*, clock: Clock | None = None, batch: int = 500) -> list[Attempt]:
+    """Expire attempts whose lease has passed; returns them (state `expired`)."""
+    return _expire_passed(now_of(clock), batch, "")
+
+
+@service
+def reconcile(*, clock: Clock | None = None) -> int:
+    """Start-up: expire the leases that ran out while the control plane was
+    down; returns how many. (Nothing else needs repair: no other table keeps
+    a copy of a job's state.)"""
+    now = now_of(clock)
+    expired = 0
+    while batch := _expire_passed(now, 500, "while the control plane was down"):
+        expired += len(batch)
+    return expired

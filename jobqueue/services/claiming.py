@@ -1,0 +1,229 @@
+"""The claim: lease the best eligible queued jobs to a worker, in one transaction.
+
+Eligibility is DESIGN §3.3: pool, labels, capabilities, the affinity pin,
+limits counted from live attempts, capacity, ready and not draining. The
+claim decides in Python which job classes (requirement sets) this worker may
+take now, then walks the claim-order index of each such class only, so its
+cost does not grow with the queued jobs the worker cannot take.
+"""
+
+import datetime as dt
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from collections import Counter
+
+from django.db import connection
+
+from .. import conf, sql
+from ..clock import Clock
+from ..exceptions import NotFound, SessionSuperseded
+from ..models import JobState, RequirementSet
+from ..types import Claim
+from .affinity import pin
+from .common import event, hash_token, now_of, postgres, service
+from .transitions import job_move
+
+CANDIDATE_SPARES = 8  # PostgreSQL: extra candidates per claim, for rows other claimers hold locked
+UNION_TERMS = 400  # classes walked per candidate statement (SQLite's compound SELECT limit is 500)
+
+
+class RequirementCache:
+    """Requirement sets (job classes) are immutable and never deleted, so each
+    process keeps the ones it has seen and asks only for what it has not.
+
+    On PostgreSQL ids are handed out at insert and become visible at commit,
+    so a set can appear *below* the highest id already seen. Ids skipped that
+    way are remembered as gaps and asked for again on every call until they
+    show up, or for GAP_SECONDS (a rolled-back insert leaves a gap for good).
+    Shared by the threads of a process (gthread listener, the daemon's worker):
+    the lock guards the state, never a query."""
+
+    GAP_SECONDS = 300.0
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self.lock:
+            self.sets: dict[int, tuple[str | None, frozenset, frozenset, dict[str, str | None]]] = {}
+            self.last_id = 0
+            self.gaps: dict[int, float] = {}  # id → monotonic time it was first missed
+
+    def eligible(self, cursor, pool: str | None, labels: set[str], capabilities: set[str]) -> list[tuple[int, dict]]:
+        """[(set id, its limit keys by dimension)] for the sets this worker satisfies."""
+        with self.lock:
+            last_id, gaps = self.last_id, sorted(self.gaps)
+        cursor.execute(sql.requirement_sets(len(gaps)), [last_id, *gaps])
+        rows = cursor.fetchall()
+        now = time.monotonic()
+        with self.lock:
+            for pk, need_pool, need_labels, need_caps, project, source, agent, runner in rows:
+                keys = {"project": project, "source": source, "agent": agent, "runner": runner, "pool": need_pool}
+                self.sets[pk] = (need_pool, frozenset(sql.from_js(need_labels)), frozenset(sql.from_js(need_caps)), keys)
+                self.gaps.pop(pk, None)
+            newest = max((row[0] for row in rows), default=0)
+            for missing in range(self.last_id + 1, newest):
+                if missing not in self.sets:
+                    self.gaps.setdefault(missing, now)
+            self.last_id = max(self.last_id, newest)
+            for pk, since in list(self.gaps.items()):
+                if now - since > self.GAP_SECONDS:
+                    del self.gaps[pk]
+            known = list(self.sets.items())
+        return [
+            (pk, keys)
+            for pk, (need_pool, need_labels, need_caps, keys) in known
+            if RequirementSet.met(need_pool, need_labels, need_caps, pool=pool, labels=labels, capabilities=capabilities)
+        ]
+
+
+requirement_cache = RequirementCache()
+
+
+def _live_counts(cursor, dimensions: tuple[str, ...], n_ow, only: list[tuple[str, str, int]] = ()) -> Counter:
+    """Live (active, unexpired) attempts per (dimension, key), counted from the
+    attempts themselves inside the claim: no counter that a crashed worker could leak."""
+    statement = sql.live_counts(dimensions, tuple(d for d, _, _ in only))
+    cursor.execute(statement, [n_ow, *(k for _, k, _ in only)])
+    counts: Counter = Counter()
+    for row in cursor.fetchall():
+        for d, key in zip(dimensions, row[:-1], strict=True):
+            counts[(d, key)] += row[-1]
+    return counts
+
+
+def _lock_limit_keys(cursor, keys: list[tuple[str, str, int]]) -> bool:
+    """PostgreSQL: a transaction-scoped advisory lock per limited key, so two
+    claims touching the same key are serialised and count each other's
+    attempts. try-locks never wait, so they cannot deadlock; a key another
+    claimer holds skips this job for now, as skip_locked skips a locked row."""
+    ids = sorted(
+        int.from_bytes(hashlib.blake2b(f"apiary-limit:{d}:{k}".encode(), digest_size=8).digest(), "big", signed=True)
+        for d, k, _ in keys
+    )
+    cursor.execute(sql.LOCK_LIMIT_KEYS, [ids])
+    return bool(cursor.fetchone()[0])
+
+
+@service
+def jobs_claim(*, worker_id: str, session: str, max_jobs: int = 1, clock: Clock | None = None) -> list[Claim]:
+    """Lease up to `max_jobs` eligible queued jobs to the worker (never beyond
+    its free capacity), best first: priority, then age. [] when there is none."""
+    now = now_of(clock)
+    cfg = conf.current()
+    on_postgres = postgres()
+    n_ow = sql.ts(now)
+    with connection.cursor() as cursor:
+        if on_postgres:
+            # Serialise claims of one worker, then count its attempts in a new
+            # statement: READ COMMITTED gives each statement a fresh snapshot,
+            # but a sub-select in the locking statement would still see the
+            # world from before it waited for the lock.
+            cursor.execute(sql.LOCK_WORKER, [worker_id])
+        row = sql.one(cursor, sql.WORKER_FOR_CLAIM, [n_ow, worker_id])
+        if row is None:
+            raise NotFound(f"worker {worker_id!r} is not registered", worker_id=worker_id)
+        w_session, pool, labels, capabilities, capacity, draining, ready, drain_requested, busy = row
+        if not hmac.compare_digest(w_session, session):
+            raise SessionSuperseded(f"worker {worker_id!r} was registered again by a newer process", worker_id=worker_id)
+        wanted = min(max_jobs, capacity - busy)
+        if draining or drain_requested or not ready or wanted <= 0:
+            return []
+        eligible = requirement_cache.eligible(cursor, pool, set(sql.from_js(labels)), set(sql.from_js(capabilities)))
+        if not eligible:
+            return []
+        limits = cfg.limits
+        dimensions = limits.active_dimensions()
+        counts = _live_counts(cursor, dimensions, n_ow) if dimensions else Counter()
+
+        claims: list[Claim] = []
+        passed_over: set[int] = set()
+        for _round in range(4):  # each round claims or passes over ≥1 job; a short answer is fine
+            want = wanted - len(claims)
+            open_sets = [
+                pk for pk, keys in eligible
+                if not any(counts[(d, keys[d])] >= limits.limit(d, keys[d]) > 0 for d in dimensions)
+            ]
+            batch = _candidates(cursor, open_sets, worker_id, n_ow, passed_over, want) if open_sets else []
+            for cand in batch:
+                keys = [(d, cand[d], lim) for d in dimensions if (lim := limits.limit(d, cand[d])) > 0]
+                if keys and on_postgres:
+                    if not _lock_limit_keys(cursor, keys):
+                        passed_over.add(cand["id"])
+                        continue
+                    fresh = _live_counts(cursor, dimensions, n_ow, keys)  # recounted under the lock
+                    for d, k, _ in keys:
+                        counts[(d, k)] = fresh[(d, k)]
+                if any(counts[(d, k)] >= lim for d, k, lim in keys) or (
+                    cand["affinity_key"] is not None and not pin(cursor, cand["affinity_key"], worker_id, now)
+                ):
+                    passed_over.add(cand["id"])
+                    continue
+                claims.append(_lease(cursor, cand, worker_id, w_session, now, cfg))
+                for d, k, _ in keys:
+                    counts[(d, k)] += 1
+            if len(batch) < want or len(claims) == wanted:
+                break
+        return claims
+
+
+def _candidates(cursor, classes: list[int], worker_id: str, n_ow, passed_over: set[int], want: int) -> list[dict]:
+    """Up to `want` claimable jobs of the given classes, best first.
+
+    Each class is walked on its own through the partial index
+    (requirements, -priority, available_at, id) and stops after `want` rows;
+    the union of those short walks is merged and cut. Only pinned-elsewhere
+    affinity jobs and jobs passed over earlier in this claim are skipped one by
+    one. On PostgreSQL the chosen rows are then locked, skipping any another
+    claimer holds."""
+    on_postgres = postgres()
+    # On PostgreSQL concurrent claimers see the same best jobs; a few spare
+    # candidates let one that finds them locked take the next ones instead of
+    # coming back empty. SQLite claims one at a time: no spares needed.
+    walk_limit = want + (CANDIDATE_SPARES if on_postgres else 0)
+    skipped = sorted(passed_over)
+    found: list[tuple] = []
+    # SQLite allows at most 500 terms in one compound SELECT: walk the classes in chunks.
+    for first in range(0, len(classes), UNION_TERMS):
+        chunk = classes[first : first + UNION_TERMS]
+        params = [p for pk in chunk for p in (pk, n_ow, worker_id, *skipped, walk_limit)]
+        cursor.execute(sql.candidate_walk(len(chunk), len(skipped), on_postgres), [*params, walk_limit])
+        found += cursor.fetchall()
+    found.sort(key=lambda row: (-row[1], row[2], row[0]))
+    ids = [row[0] for row in found[:walk_limit]]
+    if not ids:
+        return []
+    cursor.execute(sql.candidates(len(ids), on_postgres), [n_ow, *ids, want])
+    return [dict(zip(sql.CANDIDATE_COLUMNS, row, strict=True)) for row in cursor.fetchall()]
+
+
+def _lease(cursor, cand: dict, worker_id: str, session: str, now: dt.datetime, cfg: conf.QueueConfig) -> Claim:
+    token = secrets.token_urlsafe(32)  # 256 bits; only its hash is stored
+    number = cand["attempt_count"] + 1
+    expires = now + cfg.lease
+    n_ow = sql.ts(now)
+    row = sql.one(
+        cursor,
+        sql.INSERT_ATTEMPT,
+        [cand["id"], number, worker_id, session, hash_token(token), n_ow, sql.ts(expires)],
+    )
+    attempt_id = row[0]
+    job_move(
+        cursor, job_id=cand["id"], old=JobState.QUEUED, new=JobState.LEASED,
+        current_attempt_id=attempt_id, attempt_count=number,
+    )
+    event(cursor, job_id=cand["id"], kind="claimed", at=now, worker_id=worker_id, attempt_id=attempt_id, number=number)
+    return Claim(
+        job_id=cand["id"],
+        attempt_id=attempt_id,
+        attempt_number=number,
+        token=token,
+        lease_expires_at=expires,
+        agent=cand["agent"],
+        runner=cand["runner"],
+        payload=sql.from_js(cand["payload"]),
+    )

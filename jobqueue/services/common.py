@@ -1,0 +1,47 @@
+"""What every queue service shares: the transaction wrapper, the clock, the
+backend test, token digests and the event row."""
+
+import datetime as dt
+import functools
+import hashlib
+import logging
+
+from django.db import OperationalError, connection, transaction
+
+from .. import sql
+from ..clock import Clock, get_clock
+from ..exceptions import Unavailable
+
+log = logging.getLogger("apiary.queue")
+
+
+def service(fn):
+    """One durable transaction per call; a database that stays locked or
+    unreachable past the busy timeout surfaces as `Unavailable` (retryable)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            with transaction.atomic(durable=True):
+                return fn(*args, **kwargs)
+        except OperationalError as exc:
+            raise Unavailable(f"database unavailable: {exc}") from exc
+
+    return wrapper
+
+
+def now_of(clock: Clock | None) -> dt.datetime:
+    return (clock or get_clock()).now()
+
+
+def postgres() -> bool:
+    return connection.vendor == "postgresql"
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def event(cursor, *, job_id: int, kind: str, at: dt.datetime, worker_id=None, attempt_id=None, **detail) -> None:
+    """A JobEvent row, in the transition's own transaction."""
+    cursor.execute(sql.INSERT_EVENT, [job_id, kind, sql.ts(at), worker_id, attempt_id, sql.js(detail)])

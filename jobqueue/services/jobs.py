@@ -1,0 +1,134 @@
+"""Putting jobs in the queue and taking them out by cancelling."""
+
+import datetime as dt
+from collections.abc import Iterable
+
+from django.db import IntegrityError, connection, transaction
+
+from .. import conf, sql
+from ..clock import Clock
+from ..exceptions import InvalidRequest, NotFound
+from ..models import Job, JobState, RequirementSet
+from ..text import clean
+from ..types import CLAIM_FIELDS, Retry
+from .common import event, now_of, postgres, service
+from .transitions import checked, job_move
+
+
+def _requirement_set(
+    pool: str | None, labels: Iterable[str], capabilities: Iterable[str], keys: tuple[str, str, str, str]
+) -> RequirementSet:
+    """The class of a job: its requirements and its limit keys (project, source, agent, runner)."""
+    labels, capabilities = sorted(set(labels)), sorted(set(capabilities))
+    digest = RequirementSet.digest_of(pool, labels, capabilities, keys)
+    found = RequirementSet.objects.filter(digest=digest).first()
+    if found:
+        return found
+    project, source, agent, runner = keys
+    try:
+        with transaction.atomic():
+            return RequirementSet.objects.create(
+                pool=pool, labels=labels, capabilities=capabilities, digest=digest,
+                project=project, source=source, agent=agent, runner=runner,
+            )
+    except IntegrityError:  # created concurrently (PostgreSQL)
+        return RequirementSet.objects.get(digest=digest)
+
+
+def job_enqueue_in(
+    *,
+    key: str,
+    payload: dict,
+    project: str,
+    source: str,
+    agent: str,
+    runner: str,
+    pool: str | None = None,
+    labels: Iterable[str] = (),
+    capabilities: Iterable[str] = (),
+    affinity_key: str | None = None,
+    priority: int = 0,
+    max_attempts: int | None = None,
+    retry: Retry | None = None,
+    clock: Clock | None = None,
+) -> tuple[Job, bool]:
+    """Persist a job under its dedup `key`; returns (job, created).
+
+    The same key returns the existing job and creates nothing. `payload` is
+    stored as given (NUL and lone surrogates become U+FFFD) and handed to
+    every claim of the job unchanged; its keys may not be the queue's own
+    (jobqueue.types.CLAIM_FIELDS). Capabilities and labels are required of
+    the claiming worker verbatim; the limit keys count its live attempts.
+
+    This runs inside the caller's transaction, for a service of a layer above
+    that writes its own rows together with the job (a workflow instance):
+    both commit, or neither does. `job_enqueue` is the same as a service of
+    its own, committed when it returns, before any claim can see the job."""
+    if not connection.in_atomic_block:
+        raise RuntimeError("job_enqueue_in() runs inside its caller's transaction; use job_enqueue() otherwise")
+    clashing = CLAIM_FIELDS.intersection(payload)
+    if clashing:
+        raise InvalidRequest(f"payload keys {sorted(clashing)} are the queue's own", field="payload")
+    now = now_of(clock)
+    existing = Job.objects.filter(key=key).first()
+    if existing:
+        return existing, False
+    retry = retry or Retry()
+    pool = pool or None
+    requirements = _requirement_set(pool, labels, capabilities, (project, source, agent, runner))
+    try:
+        with transaction.atomic():
+            job = Job.objects.create(
+                key=key,
+                payload=clean(payload),
+                project=project,
+                source=source,
+                agent=agent,
+                runner=runner,
+                pool=pool,
+                requirements=requirements,
+                affinity_key=affinity_key,
+                priority=priority,
+                available_at=now,
+                max_attempts=max_attempts or conf.current().max_attempts,
+                retry_max_attempts=retry.max_attempts,
+                retry_backoff=retry.backoff,
+                retry_backoff_max=retry.backoff_max,
+                created_at=now,
+            )
+    except IntegrityError:  # the same key enqueued concurrently (PostgreSQL)
+        return Job.objects.get(key=key), False
+    with connection.cursor() as cursor:
+        event(cursor, job_id=job.pk, kind="enqueued", at=now)
+    return job, True
+
+
+job_enqueue = service(job_enqueue_in)
+
+
+def _cancel(job: Job, now: dt.datetime, reason: str) -> Job:
+    if job.terminal or job.cancel_requested_at is not None:
+        return job
+    with connection.cursor() as cursor:
+        if job.state == JobState.QUEUED:
+            job_move(
+                cursor, job_id=job.pk, old=job.state, new=JobState.CANCELLED,
+                finished_at=now, reason=reason, cancel_requested_at=now,
+            )
+            job.state, job.finished_at = JobState.CANCELLED, now
+            event(cursor, job_id=job.pk, kind="cancelled", at=now, reason=reason)
+        else:  # leased: the next heartbeat answers cancel; expiry settles it if no heartbeat ever comes
+            checked(cursor, sql.REQUEST_CANCEL, [sql.ts(now), reason, job.pk], f"cancel request of job {job.pk}")
+            event(cursor, job_id=job.pk, kind="cancel_requested", at=now, reason=reason)
+    job.cancel_requested_at, job.reason = now, reason
+    return job
+
+
+@service
+def job_cancel(*, job_id: int, reason: str = "cancelled on request", clock: Clock | None = None) -> Job:
+    """Queued → cancelled at once; leased → cancel requested; terminal → unchanged."""
+    qs = Job.objects.select_for_update() if postgres() else Job.objects
+    job = qs.filter(pk=job_id).first()
+    if job is None:
+        raise NotFound(f"no job {job_id}", job_id=job_id)
+    return _cancel(job, now_of(clock), reason)

@@ -1,0 +1,58 @@
+"""The one guarded write path of job and attempt states.
+
+Every transition, hot path or cold, goes through `job_move` or
+`attempt_move`: the edge is checked against the model's transition table,
+the row is updated only if it is still in the state the caller read
+(compare-and-set), and a row count other than one is an error. Under the
+claim's write lock (SQLite) or the row locks the services take (PostgreSQL)
+a miss cannot happen; if it ever does, the transaction is rolled back rather
+than writing over a row another process moved.
+"""
+
+import datetime as dt
+
+from .. import sql
+from ..models import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS
+
+
+class LostUpdate(RuntimeError):
+    """A guarded write found its row in another state than the one it read."""
+
+
+def check_transition(table: dict[str, frozenset[str]], old: str, new: str) -> None:
+    if new not in table[old]:
+        raise AssertionError(f"illegal transition {old} → {new}")
+
+
+def _value(value):
+    if isinstance(value, dt.datetime):
+        return sql.ts(value)
+    if isinstance(value, dict | list):
+        return sql.js(value)
+    return value
+
+
+def _move(cursor, table: str, transitions, row_id: int, old: str, new: str, columns: dict) -> None:
+    check_transition(transitions, old, new)
+    names = tuple(sorted(columns))
+    cursor.execute(sql.move(table, names), [new, *(_value(columns[n]) for n in names), row_id, old])
+    if cursor.rowcount != 1:
+        raise LostUpdate(f"{table} {row_id} was not {old} any more (moving to {new})")
+
+
+def job_move(cursor, *, job_id: int, old: str, new: str, **columns) -> None:
+    """Move job `job_id` from `old` to `new`, setting `columns` (sql.JOB_COLUMNS)."""
+    _move(cursor, "queue_job", JOB_TRANSITIONS, job_id, old, new, columns)
+
+
+def attempt_move(cursor, *, attempt_id: int, old: str, new: str, **columns) -> None:
+    """Move attempt `attempt_id` from `old` to `new`, setting `columns` (sql.ATTEMPT_COLUMNS)."""
+    _move(cursor, "queue_attempt", ATTEMPT_TRANSITIONS, attempt_id, old, new, columns)
+
+
+def checked(cursor, statement: str, params, what: str) -> None:
+    """A guarded write that is not a state move (a lease extension, a cancel
+    request): exactly one row, or LostUpdate."""
+    cursor.execute(statement, params)
+    if cursor.rowcount != 1:
+        raise LostUpdate(f"{what}: the row moved under us")
