@@ -4,7 +4,8 @@ worker-protocol listener, and the loop that keeps them going.
 `Daemon.run_once()` does one round (poll, dispatch, reap; check the embedded
 worker and the listener; decide whether `--until-idle` is done) and returns
 whether to go on; `run()` loops it until a signal or an exit condition, then
-drains. The `runapiary` command only parses arguments and wires a Daemon.
+drains. The `runapiary` command only parses arguments, wires a Daemon and
+installs its signal handlers.
 """
 
 import dataclasses
@@ -15,6 +16,7 @@ import threading
 from jobqueue.exceptions import Unavailable
 from workers.pgroups import ProcessGroups
 from workers.runtime import WorkerRuntime
+from workers.signals import Signals
 from workers.transport import EMBEDDED_ID, InProcessTransport, WorkerSpec
 
 from . import runners
@@ -59,6 +61,7 @@ class Daemon:
     runtime: WorkerRuntime | None = None  # the embedded worker, unless configured off
     listener: subprocess.Popen | None = None  # gunicorn serving the worker protocol
     until_idle: bool = False
+    signals: Signals = dataclasses.field(default_factory=Signals)
     exit_code: int = 0
     _thread: threading.Thread | None = None
     _stuck_before: list = dataclasses.field(default_factory=list)
@@ -104,20 +107,20 @@ class Daemon:
         self._stuck_before = stuck
         return False
 
-    def run(self, *, stop: threading.Event, tick: float, signals) -> int:
-        """Loop `run_once` until it says stop or `stop` is set, then drain the
-        embedded worker and stop the listener. `signals()` is called while
-        waiting for the drain, so a second signal can still stop the jobs.
-        Returns the exit code."""
+    def run(self, *, tick: float = 0.2) -> int:
+        """Start, then loop `run_once` until it says stop or a signal comes;
+        then drain the embedded worker (a second signal stops its jobs) and
+        stop the listener. Returns the exit code."""
         try:
-            while not stop.is_set() and self.run_once():
-                stop.wait(tick)
-            signals()
+            self.start()
+            while not self.signals.received.is_set() and self.run_once():
+                self.signals.received.wait(tick)
+            self.signals.act(self.runtime)
             if self.runtime is not None:
                 self.runtime.request_drain("shutting down")
                 while self._thread.is_alive():
                     self._thread.join(0.1)
-                    signals()
+                    self.signals.act(self.runtime)
         finally:
             self.stop_listener()
         return self.exit_code

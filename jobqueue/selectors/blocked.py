@@ -59,10 +59,10 @@ def blocked_reasons(*, now: dt.datetime | None = None, limit: int = BLOCKED_LIMI
     so with more blocked jobs than `limit`, the list is a prefix per group,
     not necessarily the globally oldest `limit` jobs."""
     now = now or get_clock().now()
-    return _blocked(now=now, workers=workers_all(), live=active_jobs(now=now), limit=limit)
+    return blocked_among(now=now, workers=workers_all(), live=active_jobs(now=now), limit=limit)
 
 
-def _blocked(*, now: dt.datetime, workers: list[Worker], live: dict[str, int], limit: int) -> list[dict]:
+def blocked_among(*, now: dt.datetime, workers: list[Worker], live: dict[str, int], limit: int) -> list[dict]:
     groups = _queued_groups(now)
     if not groups:
         return []

@@ -10,7 +10,7 @@ from django.db.models import Count
 from .. import conf
 from ..clock import get_clock
 from ..models import Attempt, AttemptState, Job, JobState, Worker
-from .blocked import BLOCKED_LIMIT, _blocked, rfc3339
+from .blocked import BLOCKED_LIMIT, blocked_among, rfc3339
 from .workers import active_jobs, worker_health, worker_is_draining, workers_all
 
 
@@ -85,7 +85,7 @@ def status_document(*, now: dt.datetime | None = None) -> dict:
         "jobs": job_counts(),
         "workers": [_worker_view(w, now=now, live=live, timeout=timeout) for w in workers],
         "active": active_attempts(),
-        "blocked": _blocked(now=now, workers=workers, live=live, limit=BLOCKED_LIMIT),
+        "blocked": blocked_among(now=now, workers=workers, live=live, limit=BLOCKED_LIMIT),
     }
 
 

@@ -5,6 +5,8 @@ durable transaction shows up as a SAVEPOINT / RELEASE pair on both backends
 (the two "+ 2" below).
 """
 
+import re
+
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
@@ -12,6 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from jobqueue import services
 from jobqueue.conf import Limits
 from jobqueue.models import Affinity, Job, JobEvent, JobState, RequirementSet, Worker
+from jobqueue.types import Retry
 from tests.factories import claim, enqueue, make_task, register
 from workflows.models import Task
 
@@ -88,6 +91,21 @@ def test_finish(clock, django_assert_num_queries):
     # fenced read; attempt, job; event — queue tables only (the instance and task read the job)
     with django_assert_num_queries(TX + 4):
         assert services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded") == "succeeded"
+
+
+@pytest.mark.parametrize("outcome", ["succeeded", "failed", "cancelled"])
+def test_hot_path_touches_queue_tables_only(clock, outcome):
+    # The queue knows nothing above it: claim, heartbeat and finish read and
+    # write queue tables only, whatever the outcome (a workflow instance and
+    # its task read their state from the job).
+    enqueue(affinity=True, retry=Retry(max_attempts=2))
+    worker = register("w1")
+    with CaptureQueriesContext(connection) as seen:
+        [c] = claim(worker)
+        services.attempt_heartbeat(attempt_id=c.attempt_id, token=c.token)
+        services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome=outcome)
+    tables = {name for q in seen.captured_queries for name in re.findall(r'\b(?:FROM|JOIN|INTO|UPDATE)\s+"?(\w+)', q["sql"])}
+    assert tables and all(name.startswith("queue_") for name in tables), sorted(tables)
 
 
 def test_retried_finish_is_a_single_read(clock, django_assert_num_queries):

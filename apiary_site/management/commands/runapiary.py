@@ -2,8 +2,6 @@
 
 import argparse
 import logging
-import signal
-import threading
 
 from django.core.management.base import BaseCommand, CommandError
 
@@ -58,33 +56,10 @@ class Command(BaseCommand):
             listener=listener,
             until_idle=options["until_idle"],
         )
-        stop = threading.Event()
-        signals = {"count": 0, "acted": 0}
-
-        # The handler only records the signal: it runs on the main thread between
-        # any two bytecodes, possibly while that thread holds the runtime's lock.
-        def on_signal(signum, frame):
-            signals["count"] += 1
-            stop.set()
-
-        def act_on_signals() -> None:
-            if signals["acted"] < 1 <= signals["count"]:
-                signals["acted"] = 1
-                log.info("signal: draining (a second signal stops running jobs)")
-                if daemon.runtime:
-                    daemon.runtime.request_drain("shutting down")
-            if signals["acted"] < 2 <= signals["count"]:
-                signals["acted"] = 2
-                if daemon.runtime:
-                    daemon.runtime.cancel_all("second signal")
-
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        daemon.signals.install()
         try:
-            daemon.start()
-            exit_code = daemon.run(stop=stop, tick=options["tick"], signals=act_on_signals)
+            exit_code = daemon.run(tick=options["tick"])
         finally:
-            daemon.stop_listener()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            daemon.signals.restore()
         if exit_code:
             raise SystemExit(exit_code)

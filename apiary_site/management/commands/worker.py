@@ -2,7 +2,6 @@
 
 import logging
 import os
-import signal
 import threading
 
 from django.core.management.base import BaseCommand, CommandError
@@ -12,6 +11,7 @@ from workers.http import HttpTransport
 from workers.localdb import LocalDB
 from workers.pgroups import ProcessGroups
 from workers.runtime import WorkerRuntime
+from workers.signals import Signals
 from workers.transport import TransportError, Unauthorized, WorkerSpec
 from workflows import runners
 from workflows.config import ConfigError, find_config_path, load
@@ -72,41 +72,34 @@ class Command(BaseCommand):
             grace=options["grace"],
             outbox=localdb,
         )
-        count = {"signals": 0}
-
-        def on_signal(signum, frame):
-            count["signals"] += 1
-            if count["signals"] == 1:
-                runtime.request_drain(f"{signal.Signals(signum).name}; a second signal stops running jobs")
-            else:
-                runtime.cancel_all("second signal")
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, on_signal)
+        signals = Signals()
+        signals.install()
         try:
-            self._start(runtime)
+            self._start(runtime, signals)
+            # The claim loop runs in a thread so this thread stays free for signals.
+            result = {}
+            loop = threading.Thread(target=lambda: result.setdefault("code", runtime.run()), name="claim-loop")
+            loop.start()
+            while loop.is_alive():
+                loop.join(0.2)
+                signals.act(runtime)
         except Unauthorized as exc:
             raise CommandError(f"the control plane refused the worker token: {exc}", returncode=2) from exc
-        # The claim loop runs in a thread so this thread stays free for signals.
-        result = {}
-        loop = threading.Thread(target=lambda: result.setdefault("code", runtime.run()), name="claim-loop")
-        loop.start()
-        while loop.is_alive():
-            loop.join(0.2)
-        localdb.close()
+        finally:
+            signals.restore()
+            localdb.close()
         if result.get("code", 1):
             raise SystemExit(result.get("code", 1))
 
-    def _start(self, runtime: WorkerRuntime) -> None:
-        """Register, waiting out a control plane that is not up yet."""
+    def _start(self, runtime: WorkerRuntime, signals: Signals) -> None:
+        """Register, waiting out a control plane that is not up yet (a signal meanwhile exits 0)."""
         delay = 0.5
         while True:
             try:
                 runtime.start()
                 return
             except TransportError as exc:
-                if runtime.draining.is_set():
-                    raise SystemExit(0) from exc
                 log.warning("control plane not reachable (%s); retrying in %.1fs", exc, delay)
-                threading.Event().wait(delay)
+                if signals.received.wait(delay):
+                    raise SystemExit(0) from exc
                 delay = min(delay * 2, 10.0)
