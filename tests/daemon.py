@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests import waiting
+
 REPO = Path(__file__).resolve().parent.parent
 MANAGE = REPO / "manage.py"
 POLL = 0.05  # how often conditions are re-checked while waiting
@@ -55,24 +57,26 @@ def run(*args: str, config: Path, timeout: float = 60.0, cwd: Path | None = None
 
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float, what: str, daemon: Daemon | None = None) -> Any:
-    """Poll `predicate` until it returns something truthy (returned); an
-    AssertionError after `timeout` seconds. A database that is not there yet
-    or is busy counts as "not yet"."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """`tests.waiting.wait_for` for a daemon's database: poll `predicate`
+    until it returns something truthy (returned); an AssertionError after
+    `timeout` seconds, or at once if `daemon` exits meanwhile, with its
+    output's tail. A database that is not there yet or is busy counts as
+    "not yet"."""
+
+    def condition() -> Any:
         try:
             value = predicate()
         except sqlite3.OperationalError:
             value = None
-        if value:
-            return value
-        if daemon is not None and daemon.proc.poll() is not None:
+        if not value and daemon is not None and daemon.proc.poll() is not None:
             raise AssertionError(
                 f"the daemon exited ({daemon.proc.returncode}) while waiting for {what}\n{daemon.tail()}"
             )
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}\n{daemon.tail() if daemon else ''}")
-        time.sleep(POLL)
+        return value
+
+    return waiting.wait_for(
+        condition, timeout=timeout, what=what, step=POLL, on_timeout=daemon.tail if daemon is not None else None
+    )
 
 
 class Database:

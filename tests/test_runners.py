@@ -4,11 +4,11 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_for
 from workers.pgroups import kill_process_group, process_group_alive, process_start_time
 from workflows import runners
 from workflows.config import AgentConfig
@@ -16,23 +16,17 @@ from workflows.runners import (
     available_adapters,
     build_prompt_command,
     build_run_command,
+    printable,
     run_step,
 )
 
 FAKES = Path(__file__).parent / "fakes"
 pytestmark = pytest.mark.processes
+WAIT = 10.0  # the deadline of each wait in this file
 
 
 def agent(runner, **fields):
     return AgentConfig(id="a", runner=runner, adapter=runners.ADAPTER_OF[runner], **fields)
-
-
-def wait_for(condition, *, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def group_gone(pgid):
@@ -173,6 +167,10 @@ def test_missing_executable_is_a_failed_step_not_an_exception(tmp_path, env):
     assert "cannot start" in Path(result.log_path).read_text()
 
 
+def test_step_output_with_nul_is_storable_at_the_source():
+    assert printable(b"a\x00b\xff") == "a\ufffdb\ufffd"
+
+
 def test_log_appends_across_runs(tmp_path, env):
     step(["echo", "first"], tmp_path, env)
     result = step(["echo", "second"], tmp_path, env)
@@ -188,7 +186,7 @@ def test_log_is_streamed_while_the_step_runs(tmp_path, env):
     )
     runner.start()
     try:
-        wait_for(lambda: log.exists() and "early" in log.read_text(), what="streamed log line")
+        wait_for(lambda: log.exists() and "early" in log.read_text(), timeout=WAIT, what="streamed log line")
         assert runner.is_alive()  # the line arrived before the step ended
     finally:
         cancel.set()
@@ -202,7 +200,7 @@ def test_timeout_stops_the_step(tmp_path, env):
     assert result.status == "timed_out"
     assert result.exit_code == -signal.SIGTERM
     assert "timed out" in Path(result.log_path).read_text()
-    wait_for(lambda: group_gone(groups[0]), what="timed-out group to disappear")
+    wait_for(lambda: group_gone(groups[0]), timeout=WAIT, what="timed-out group to disappear")
 
 
 def test_cancel_kills_the_whole_process_group(tmp_path, env):
@@ -217,16 +215,16 @@ def test_cancel_kills_the_whole_process_group(tmp_path, env):
     )
     runner.start()
     try:
-        wait_for(lambda: (tmp_path / "record.json").exists(), what="fake codex to start")
+        wait_for(lambda: (tmp_path / "record.json").exists(), timeout=WAIT, what="fake codex to start")
         pgid = groups[0]
-        wait_for(lambda: len(_live_members(pgid)) >= 2, what="fake codex and its sleep child")
+        wait_for(lambda: len(_live_members(pgid)) >= 2, timeout=WAIT, what="fake codex and its sleep child")
         cancel.set()
         runner.join(timeout=30)
     finally:
         cancel.set()
     assert outcome["r"].status == "cancelled"
     assert json.loads((tmp_path / "record.json").read_text())["pgid"] == pgid
-    wait_for(lambda: group_gone(pgid), what="no process of the cancelled group left")
+    wait_for(lambda: group_gone(pgid), timeout=WAIT, what="no process of the cancelled group left")
 
 
 def test_cancel_of_sh_with_background_child(tmp_path, env):
@@ -239,11 +237,11 @@ def test_cancel_of_sh_with_background_child(tmp_path, env):
         )
     )
     runner.start()
-    wait_for(lambda: groups and len(_live_members(groups[0])) >= 2, what="sh and its sleeps")
+    wait_for(lambda: groups and len(_live_members(groups[0])) >= 2, timeout=WAIT, what="sh and its sleeps")
     cancel.set()
     runner.join(timeout=30)
     assert outcome["r"].status == "cancelled"
-    wait_for(lambda: group_gone(groups[0]), what="no process of the cancelled group left")
+    wait_for(lambda: group_gone(groups[0]), timeout=WAIT, what="no process of the cancelled group left")
 
 
 def test_process_ignoring_sigterm_is_killed_after_grace(tmp_path, env):
@@ -252,14 +250,14 @@ def test_process_ignoring_sigterm_is_killed_after_grace(tmp_path, env):
     result = step(["sh", "-c", script], tmp_path, env, timeout=0.3, grace=0.5, on_spawn=groups.append)
     assert result.status == "timed_out"
     assert result.exit_code == -signal.SIGKILL
-    wait_for(lambda: group_gone(groups[0]), what="SIGKILLed group to disappear")
+    wait_for(lambda: group_gone(groups[0]), timeout=WAIT, what="SIGKILLed group to disappear")
 
 
 def test_background_child_left_by_a_finished_step_is_ended(tmp_path, env):
     groups = []
     result = step(["sh", "-c", "sleep 60 & echo done"], tmp_path, env, on_spawn=groups.append, timeout=30)
     assert (result.status, result.output) == ("succeeded", "done\n")
-    wait_for(lambda: group_gone(groups[0]), what="leftover child to be ended")
+    wait_for(lambda: group_gone(groups[0]), timeout=WAIT, what="leftover child to be ended")
 
 
 def test_already_cancelled_step_does_not_start(tmp_path, env):
@@ -281,14 +279,14 @@ def test_kill_process_group_of_an_orphaned_group(tmp_path):
     try:
         pgid = proc.pid
         started = process_start_time(pgid)
-        wait_for(lambda: len(_live_members(pgid)) >= 3, what="the group to be running")
+        wait_for(lambda: len(_live_members(pgid)) >= 3, timeout=WAIT, what="the group to be running")
         assert process_group_alive(pgid)
         assert kill_process_group(pgid, 5.0, leader_started=started + 1) is False  # a different process now
         assert process_group_alive(pgid)
         threading.Thread(target=proc.wait, daemon=True).start()  # reap the leader like init would
         assert kill_process_group(pgid, 0.3, leader_started=started) is True
         assert not process_group_alive(pgid)
-        wait_for(lambda: group_gone(pgid), what="group to disappear")
+        wait_for(lambda: group_gone(pgid), timeout=WAIT, what="group to disappear")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ from jobqueue import services
 from jobqueue.exceptions import StaleAttempt
 from jobqueue.models import Job, JobState
 from tests.factories import enqueue
+from tests.waiting import wait_for
 from workers.localdb import LocalDB
 from workers.runtime import Outcome, WorkerRuntime
 from workers.transport import InProcessTransport, TransportError, Unauthorized, WorkerSpec
@@ -21,6 +22,7 @@ from workers.transport import InProcessTransport, TransportError, Unauthorized, 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 LEASE, BEAT = 30.0, 10.0
+WAIT = 10.0  # the deadline of each wait for a job thread
 
 
 class FakeMonotonic:
@@ -109,15 +111,6 @@ def make_runtime(executor, *, transport=None, capacity=1, outbox=None, worker_id
     return runtime
 
 
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met before the deadline")
-
-
 def job_state(job) -> str:
     return Job.objects.get(pk=job.pk).state
 
@@ -131,7 +124,7 @@ def test_claims_runs_and_finishes(clock):
     job = enqueue()
     runtime = make_runtime(ScriptedExecutor())
     assert runtime.claim_once() == 1
-    wait_for(lambda: job_state(job) == JobState.SUCCEEDED)
+    wait_for(lambda: job_state(job) == JobState.SUCCEEDED, timeout=WAIT, what="the job to succeed")
     runtime.reap(wait=True)
     assert runtime.idle() and runtime.finished_count == 1
 
@@ -153,11 +146,11 @@ def test_cancel_answer_stops_the_runner_and_finishes_cancelled(clock):
     executor = ScriptedExecutor(block=True)
     runtime = make_runtime(executor)
     runtime.claim_once()
-    wait_for(executor.started.is_set)
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
     services.job_cancel(job_id=job.pk)
     runtime.monotonic.now += BEAT  # the next attempt heartbeat is due
     runtime.heartbeat_once()
-    wait_for(lambda: job_state(job) == JobState.CANCELLED)
+    wait_for(lambda: job_state(job) == JobState.CANCELLED, timeout=WAIT, what="the job to be cancelled")
     assert executor.cancelled.is_set()
 
 
@@ -166,13 +159,13 @@ def test_stale_heartbeat_discards_the_result(clock):
     executor = ScriptedExecutor(block=True)
     runtime = make_runtime(executor)
     runtime.claim_once()
-    wait_for(executor.started.is_set)
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
     clock.advance(LEASE + 1)  # the control plane reclaims the job
     services.leases_expire()
     assert job_state(job) == JobState.QUEUED
     runtime.monotonic.now += BEAT
     runtime.heartbeat_once()
-    wait_for(executor.cancelled.is_set)
+    wait_for(executor.cancelled.is_set, timeout=WAIT, what="the executor to see the cancel")
     runtime.reap(wait=True)
     # The stale worker sent no finish: the job waits for its next attempt.
     assert job_state(job) == JobState.QUEUED
@@ -185,14 +178,14 @@ def test_self_fences_when_the_control_plane_is_unreachable_past_the_lease(clock)
     transport = FlakyTransport(worker_id="w1")
     runtime = make_runtime(executor, transport=transport)
     runtime.claim_once()
-    wait_for(executor.started.is_set)
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
     transport.down = True
     runtime.monotonic.now += BEAT
     runtime.heartbeat_once()  # fails, the runner keeps going: the lease still holds
     assert not executor.cancelled.is_set()
     runtime.monotonic.now += LEASE - BEAT - runtime.margin  # now at claim time + lease − margin
     runtime.heartbeat_once()
-    wait_for(executor.cancelled.is_set)
+    wait_for(executor.cancelled.is_set, timeout=WAIT, what="the executor to see the cancel")
     runtime.reap(wait=True)
     assert job_state(job) == JobState.LEASED  # nothing was sent; the control plane will expire it
     assert not runtime.reachable()
@@ -204,7 +197,7 @@ def test_acknowledged_heartbeats_move_the_fence(clock):
     executor = ScriptedExecutor(block=True)
     runtime = make_runtime(executor)
     runtime.claim_once()
-    wait_for(executor.started.is_set)
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
     for _ in range(5):  # 5 × 10 s > the 30 s lease, but every heartbeat was acknowledged
         runtime.monotonic.now += BEAT
         clock.advance(BEAT)
@@ -230,7 +223,7 @@ def test_drain_lets_active_jobs_finish_then_reports_unready(clock):
     executor = ScriptedExecutor(block=True)
     runtime = make_runtime(executor)
     runtime.claim_once()
-    wait_for(executor.started.is_set)
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
     runtime.request_drain("test")
     result = {}
     loop = threading.Thread(target=lambda: result.setdefault("code", runtime.run()))
@@ -251,12 +244,12 @@ def test_superseded_session_is_fatal(clock):
     executor = ScriptedExecutor(block=True)
     runtime = make_runtime(executor)
     runtime.claim_once()
-    wait_for(executor.started.is_set)
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
     services.worker_register(worker_id="w1", capabilities=["apiary.workflow", "runner:shell"])  # another process
     runtime.monotonic.now += BEAT
     runtime.heartbeat_once()
     assert runtime.fatal and "another process registered" in runtime.fatal
-    wait_for(executor.cancelled.is_set)
+    wait_for(executor.cancelled.is_set, timeout=WAIT, what="the executor to see the cancel")
 
 
 def test_finish_is_retried_until_acknowledged(clock):
@@ -265,7 +258,7 @@ def test_finish_is_retried_until_acknowledged(clock):
     transport.finish_failures = 2
     runtime = make_runtime(ScriptedExecutor(), transport=transport)
     runtime.claim_once()
-    wait_for(lambda: job_state(job) == JobState.SUCCEEDED)
+    wait_for(lambda: job_state(job) == JobState.SUCCEEDED, timeout=WAIT, what="the job to succeed")
 
 
 def test_outbox_resends_a_finish_after_a_worker_restart(clock, tmp_path):
@@ -275,7 +268,7 @@ def test_outbox_resends_a_finish_after_a_worker_restart(clock, tmp_path):
     transport.finish_failures = 10**6  # the finish never gets through before the "crash"
     first = make_runtime(ScriptedExecutor(), transport=transport, outbox=outbox)
     first.claim_once()
-    wait_for(lambda: len(outbox.pending()) == 1)
+    wait_for(lambda: len(outbox.pending()) == 1, timeout=WAIT, what="one finish in the outbox")
     [entry] = outbox.pending()
     assert entry["outcome"] == "succeeded" and entry["job_id"] == job.pk
     first.draining.set()
@@ -318,7 +311,7 @@ def test_a_job_claimed_late_in_a_long_poll_is_confirmed_not_fenced(clock):
     runtime.monotonic = fake
     assert runtime.claim_once(wait=LEASE) == 1
     assert transport.heartbeats == 1  # confirmed before its runner started
-    wait_for(executor.started.is_set)
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
     runtime.heartbeat_once()
     assert not executor.cancelled.is_set()
     executor.release.set()
@@ -350,7 +343,7 @@ def test_a_self_fenced_step_is_dead_before_its_lease_ends(clock):
     assert runtime.beat_every <= runtime.fence_after / 2
     # The executor is handed the clamped grace with each claim.
     assert runtime.claim_once() == 1
-    wait_for(executor.started.is_set)
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
     assert executor.graces == [1.0]
 
 
@@ -360,7 +353,7 @@ def test_a_refused_token_stops_every_runner(clock):
     transport = FlakyTransport(worker_id="w1")
     runtime = make_runtime(executor, transport=transport)
     runtime.claim_once()
-    wait_for(executor.started.is_set)
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
 
     def refused(**kwargs):
         raise Unauthorized("wrong token")
@@ -369,7 +362,8 @@ def test_a_refused_token_stops_every_runner(clock):
     runtime.monotonic.now += BEAT
     runtime.heartbeat_once()
     assert runtime.fatal and "refused the worker token" in runtime.fatal
-    wait_for(executor.cancelled.is_set)  # nothing would heartbeat or fence it any more
+    # nothing would heartbeat or fence it any more
+    wait_for(executor.cancelled.is_set, timeout=WAIT, what="the executor to see the cancel")
 
 
 def test_start_does_not_register_while_the_outbox_cannot_be_delivered(clock, tmp_path):
@@ -379,7 +373,7 @@ def test_start_does_not_register_while_the_outbox_cannot_be_delivered(clock, tmp
     transport.finish_failures = 10**6
     first = make_runtime(ScriptedExecutor(), transport=transport, outbox=outbox)
     first.claim_once()
-    wait_for(lambda: len(outbox.pending()) == 1)
+    wait_for(lambda: len(outbox.pending()) == 1, timeout=WAIT, what="one finish in the outbox")
     first.draining.set()
     second = WorkerRuntime(
         transport=transport, spec=first.spec, executor=ScriptedExecutor(), monotonic=FakeMonotonic(), outbox=outbox
@@ -435,7 +429,7 @@ def test_an_unexpected_claim_error_does_not_end_the_worker(clock):
     runtime = make_runtime(executor, transport=transport)
     loop = threading.Thread(target=runtime.run)
     loop.start()
-    wait_for(lambda: runtime.finished_count == 1)
+    wait_for(lambda: runtime.finished_count == 1, timeout=WAIT, what="one job finished")
     runtime.request_drain("test over")
     loop.join(10)
     assert not loop.is_alive() and runtime.fatal is None

@@ -2,9 +2,10 @@
 thread inside a service, start the other, let the first go."""
 
 import threading
-import time
 
 from django.db import connection, connections
+
+WAIT = 20.0  # the deadline for a staged thread to get where the test wants it (tests.waiting.wait_for)
 
 
 def run_thread(fn, name: str):
@@ -22,13 +23,6 @@ def run_thread(fn, name: str):
     thread = threading.Thread(target=body, name=name, daemon=True)
     thread.start()
     return thread, out
-
-
-def wait_for(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        time.sleep(0.02)
 
 
 def lock_waiters() -> int:

@@ -19,6 +19,7 @@ from jobqueue.conf import Limits
 from jobqueue.exceptions import NotFound, SessionSuperseded, StaleAttempt, Unavailable
 from jobqueue.models import Affinity, Attempt, AttemptState, Job, JobEvent, JobState
 from jobqueue.services import jobs
+from jobqueue.services.attempts import _backoff
 from jobqueue.types import Retry
 from tests.factories import (
     claim,
@@ -341,6 +342,17 @@ def test_saturated_pool_limit_does_not_block_jobs_without_a_pool(clock, queue_co
     assert [c.job_id for c in claim(register("plain"))] == [anywhere.pk]
     elsewhere = enqueue(pool=None)
     assert [c.job_id for c in claim(register("builder-2", pool="build"))] == [elsewhere.pk]
+
+
+def test_a_full_pool_limit_does_not_hide_jobs_without_a_pool(clock, queue_config):
+    # Found by the stateful test on PostgreSQL: the claim excluded saturated keys
+    # with `pool NOT IN (…)`, which is never true for a job whose pool is NULL.
+    queue_config(limits=Limits(overrides={"pool": {"build": 1}}))
+    builds = [enqueue(pool="build") for _ in range(3)]
+    anywhere = enqueue()
+    worker = register("w1", pool="build", capacity=4)
+    claimed = {c.job_id for c in claim(worker, max_jobs=3)}
+    assert claimed == {builds[0].pk, anywhere.pk}
 
 
 def test_claim_never_exceeds_free_capacity(clock):
@@ -674,6 +686,24 @@ def test_max_attempts_from_config_and_per_job(clock, queue_config):
     assert (job_state(from_config.pk), job_state(per_job.pk)) == (JobState.QUEUED, JobState.FAILED)
 
 
+def test_max_attempts_counts_expiries_not_failed_finishes(clock, queue_config):
+    queue_config(lease_duration=30)
+    job = enqueue(max_attempts=2, retry=Retry(max_attempts=10))
+    worker = register("w1")
+    [c] = claim(worker)
+    assert services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="failed") == JobState.QUEUED
+    claim(worker)
+    clock.advance(31)
+    services.leases_expire()
+    job.refresh_from_db()
+    assert job.state == JobState.QUEUED  # one expiry of two allowed
+    claim(worker)
+    clock.advance(31)
+    services.leases_expire()
+    job.refresh_from_db()
+    assert job.state == JobState.FAILED and "lease expired 2 times" in job.reason
+
+
 def test_expiry_of_a_cancel_requested_job_ends_it_cancelled(clock):
     job = enqueue()
     claim(register("w1"))
@@ -758,6 +788,10 @@ def test_without_retry_a_failed_attempt_fails_the_job(clock):
     [c] = claim(register("w1"))
     assert finish(c, "failed") == JobState.FAILED
     assert job_state(job.pk) == JobState.FAILED
+
+
+def test_backoff_of_a_long_failing_job_stays_at_its_cap():
+    assert 150 <= _backoff(1.0, 300.0, 1100) <= 300
 
 
 # --------------------------------------------------------------------------- reconciliation

@@ -11,7 +11,8 @@ from jobqueue.models import Attempt, Job
 from jobqueue.services import attempts, claiming, jobs
 from jobqueue.services import workers as worker_services
 from tests.factories import claim, enqueue, enqueue_job, make_task, register
-from tests.queue.racing import lock_waiters, pause_in, run_thread, wait_for
+from tests.queue.racing import WAIT, lock_waiters, pause_in, run_thread
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -29,7 +30,8 @@ def test_requirement_set_committed_out_of_id_order_is_never_claimable(clock, mon
     paused, release = pause_in(monkeypatch, jobs, "event", "slow")
     t, out = run_thread(lambda: enqueue_job(slow_task, workflow="triage", agent="a", runner="shell",
                                                      project="p", labels=["gpu"]), "slow")
-    wait_for(paused.is_set)                      # set N inserted, not committed
+    # set N inserted, not committed
+    wait_for(paused.is_set, timeout=WAIT, what="the first thread to pause")
     enqueue(fast_task, labels=["cpu"])           # set N+1, committed
     other = register("cpu-worker", labels=["cpu"])
     assert len(claim(other)) == 1                # cache: last_id = N+1
@@ -52,10 +54,12 @@ def test_concurrent_claims_of_one_worker_exceed_its_capacity(clock, monkeypatch)
     w = register("w1", capacity=1)
     paused, release = pause_in(monkeypatch, claiming, "_lease", "first", after=True)
     t1, out1 = run_thread(lambda: claim(w), "first")
-    wait_for(paused.is_set)                      # first claim leased 1 job, holds the worker row
+    # first claim leased 1 job, holds the worker row
+    wait_for(paused.is_set, timeout=WAIT, what="the first thread to pause")
     before = lock_waiters()
     t2, out2 = run_thread(lambda: claim(w), "second")
-    wait_for(lambda: lock_waiters() > before)    # second claim waits on the worker row
+    # second claim waits on the worker row
+    wait_for(lambda: lock_waiters() > before, timeout=WAIT, what="the second thread to wait on a lock")
     release.set()
     t1.join(20)
     t2.join(20)
@@ -73,10 +77,13 @@ def test_reconcile_racing_worker_register_crashes(clock, monkeypatch):
     clock.advance(31)                            # lease ran out: reconcile will expire it
     paused, release = pause_in(monkeypatch, worker_services, "expire", "register")
     t1, out1 = run_thread(lambda: register("w1"), "register")
-    wait_for(paused.is_set)                      # register holds attempt + job row locks
+    # register holds attempt + job row locks
+    wait_for(paused.is_set, timeout=WAIT, what="the first thread to pause")
     before = lock_waiters()
     t2, out2 = run_thread(lambda: services.reconcile(), "reconcile")
-    wait_for(lambda: lock_waiters() > before or not t2.is_alive())  # reconcile skips rows others hold
+    # reconcile skips rows others hold
+    wait_for(lambda: lock_waiters() > before or not t2.is_alive(), timeout=WAIT,
+             what="the second thread to wait on a lock or to end")
     release.set()
     t1.join(20)
     t2.join(20)
@@ -95,10 +102,12 @@ def test_reconcile_loses_a_cancel_recorded_while_it_runs(clock, monkeypatch):
     clock.advance(31)
     paused, release = pause_in(monkeypatch, attempts, "expire", "reconcile")
     t1, out1 = run_thread(lambda: services.reconcile(), "reconcile")
-    wait_for(paused.is_set)  # reconcile holds the attempt and job rows
+    # reconcile holds the attempt and job rows
+    wait_for(paused.is_set, timeout=WAIT, what="the first thread to pause")
     before = lock_waiters()
     t2, out2 = run_thread(lambda: services.job_cancel(job_id=job.pk), "cancel")
-    wait_for(lambda: lock_waiters() > before or not t2.is_alive())
+    wait_for(lambda: lock_waiters() > before or not t2.is_alive(), timeout=WAIT,
+             what="the second thread to wait on a lock or to end")
     release.set()
     t1.join(20)
     t2.join(20)
@@ -112,10 +121,10 @@ def test_enqueue_dedup_race(clock, monkeypatch):
     paused, release = pause_in(monkeypatch, jobs, "event", "slow")
     kw = dict(key="1:1:triage", payload={}, agent="a", runner="shell", project="p", source="inbox")
     t1, out1 = run_thread(lambda: services.job_enqueue(**kw), "slow")
-    wait_for(paused.is_set)
+    wait_for(paused.is_set, timeout=WAIT, what="the first thread to pause")
     before = lock_waiters()
     t2, out2 = run_thread(lambda: services.job_enqueue(**kw), "fast")
-    wait_for(lambda: lock_waiters() > before)
+    wait_for(lambda: lock_waiters() > before, timeout=WAIT, what="the second thread to wait on a lock")
     release.set()
     t1.join(20)
     t2.join(20)
@@ -131,10 +140,11 @@ def test_affinity_pin_race(clock, monkeypatch):
     wa, wb = register("wa"), register("wb")
     paused, release = pause_in(monkeypatch, claiming, "pin", "A", after=True)
     t1, out1 = run_thread(lambda: claim(wa), "A")
-    wait_for(paused.is_set)
+    wait_for(paused.is_set, timeout=WAIT, what="the first thread to pause")
     before = lock_waiters()
     t2, out2 = run_thread(lambda: claim(wb), "B")
-    wait_for(lambda: lock_waiters() > before or not t2.is_alive())
+    wait_for(lambda: lock_waiters() > before or not t2.is_alive(), timeout=WAIT,
+             what="the second thread to wait on a lock or to end")
     release.set()
     t1.join(20)
     t2.join(20)
@@ -150,7 +160,7 @@ def test_project_limit_race(clock, monkeypatch, queue_config):
     wa, wb = register("wa"), register("wb", labels=["x"])
     paused, release = pause_in(monkeypatch, claiming, "_lease", "A", after=True)
     t1, out1 = run_thread(lambda: claim(wa), "A")
-    wait_for(paused.is_set)
+    wait_for(paused.is_set, timeout=WAIT, what="the first thread to pause")
     t2, out2 = run_thread(lambda: claim(wb), "B")
     t2.join(5)
     release.set()

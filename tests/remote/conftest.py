@@ -39,6 +39,8 @@ import pytest
 import requests
 import yaml
 
+from tests import waiting
+
 from .proxy import Proxy
 
 CANARY = "canary-remote-9f4e2b7c1d8a4e35b6c0"  # the worker token of every process in the module
@@ -191,22 +193,23 @@ def utc(text: str | dt.datetime | None) -> dt.datetime | None:
 def wait_for(
     predicate: Callable[[], Any], *, what: str, timeout: float = WAIT, alive: tuple = (), context: Callable[[], str] = str
 ) -> Any:
-    """Poll until `predicate()` is truthy (returned). Fails after `timeout`, or
-    at once when a process in `alive` exits meanwhile."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """`tests.waiting.wait_for` for these processes: poll until `predicate()`
+    is truthy (returned). Fails after `timeout`, or at once when a process in
+    `alive` exits meanwhile, with `context()` (e.g. a log tail) appended. A
+    database not created yet, or busy, counts as "not yet"."""
+
+    def condition() -> Any:
         try:
             value = predicate()
         except sqlite3.OperationalError:  # not created yet, or busy: not yet
             value = None
-        if value:
-            return value
-        for proc in alive:
-            if proc.poll() is not None:
-                raise AssertionError(f"{proc} exited ({proc.poll()}) while waiting for {what}\n{context()}")
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}\n{context()}")
-        time.sleep(0.05)
+        if not value:
+            for proc in alive:
+                if proc.poll() is not None:
+                    raise AssertionError(f"{proc} exited ({proc.poll()}) while waiting for {what}\n{context()}")
+        return value
+
+    return waiting.wait_for(condition, timeout=timeout, what=what, step=0.05, on_timeout=context)
 
 
 def pid_running(pid: int) -> bool:
