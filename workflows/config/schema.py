@@ -11,10 +11,6 @@ from pathlib import Path
 
 from jobqueue import conf
 
-# runner (what the user writes) -> adapter (what workers advertise as `runner:<adapter>`)
-RUNNERS = {"codex": "codex-cli", "claude": "claude-code", "shell": "shell"}
-ADAPTERS = tuple(RUNNERS.values())
-_ADAPTER_TO_RUNNER = {adapter: runner for runner, adapter in RUNNERS.items() if adapter != runner}
 SOURCE_TYPES = ("directory", "command")
 ID_PATTERN = "[A-Za-z0-9][A-Za-z0-9._-]*"
 MAX_ID_LENGTH = 128  # the queue's CharField width for ids used as limit keys

@@ -14,13 +14,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from workflows.runners import ADAPTER_OF
+
 from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
 from .schema import (
-    _ADAPTER_TO_RUNNER,
     _SOURCE_TYPE_KEYS,
     AGENT_KEYS,
     RETRY_KEYS,
-    RUNNERS,
     SOURCE_KEYS,
     SOURCE_TYPES,
     STEP_KEYS,
@@ -34,6 +34,9 @@ from .schema import (
     WorkflowConfig,
 )
 from .settings import _settings
+
+# For `runner: codex-cli`: the hint names the runner the user meant.
+_ADAPTER_TO_RUNNER = {adapter: runner for runner, adapter in ADAPTER_OF.items() if adapter != runner}
 
 
 def _build(check: _Checker, raw: dict, path: Path) -> Config:
@@ -88,7 +91,7 @@ def _agents(check: _Checker, raw: Any) -> dict[str, AgentConfig]:
     for path, entry in _entries(check, raw, "agents", "agents"):
         check.mapping(entry, path, AGENT_KEYS, required=("id", "runner"))
         ident = _unique_id(check, entry, path, seen, kind="agent", section="agents")
-        runner = check.choice(entry.get("runner"), f"{path}.runner", RUNNERS, hint=_ADAPTER_TO_RUNNER)
+        runner = check.choice(entry.get("runner"), f"{path}.runner", ADAPTER_OF, hint=_ADAPTER_TO_RUNNER)
         model = check.string(entry.get("model"), f"{path}.model", empty_is_absent=True)
         command = check.command(entry.get("command"), f"{path}.command")
         if runner == "shell":
@@ -101,7 +104,7 @@ def _agents(check: _Checker, raw: Any) -> dict[str, AgentConfig]:
         agent = AgentConfig(
             id=ident or "",
             runner=runner or "",
-            adapter=RUNNERS.get(runner or "", ""),
+            adapter=ADAPTER_OF.get(runner or "", ""),
             model=model,
             command=command,
             worker_pool=check.word(

@@ -11,13 +11,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jobqueue import conf
+from workflows.runners import ADAPTER_OF
 
 from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
 from .schema import (
-    ADAPTERS,
     CONCURRENCY_KEYS,
     QUEUE_KEYS,
-    RUNNERS,
     SETTINGS_KEYS,
     AgentConfig,
     QueueSettings,
@@ -150,7 +149,7 @@ def _limits(
         for name, limit in keyed.items():
             item_path = f"{p}.{plural}.{name}"
             if dim == "runner":
-                wanted = check.choice(name, item_path, ADAPTERS, hint=RUNNERS)
+                wanted = check.choice(name, item_path, ADAPTER_OF.values(), hint=ADAPTER_OF)
                 if wanted is None:
                     continue
             elif check.word(name, item_path, what=f"a {dim} name") is None:
