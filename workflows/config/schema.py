@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from jobqueue import conf
+from jobqueue.types import Retry
 
 SOURCE_TYPES = ("directory", "command")
 ID_PATTERN = "[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -42,19 +43,12 @@ class StepConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RetryConfig:
-    max_attempts: int = 1
-    backoff: float = 0.0
-    backoff_max: float = 300.0
-
-
-@dataclasses.dataclass(frozen=True)
 class WorkflowConfig:
     id: str
     agent: str
     steps: tuple[StepConfig, ...]
     timeout: float | None = None
-    retry: RetryConfig = RetryConfig()
+    retry: Retry = Retry()  # the queue's boundary type, so the policy and its defaults are defined once
     priority: int = 0
 
 

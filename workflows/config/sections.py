@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from jobqueue.types import Retry
 from workflows.runners import ADAPTER_OF
 
 from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
@@ -28,7 +29,6 @@ from .schema import (
     WORKFLOW_KEYS,
     AgentConfig,
     Config,
-    RetryConfig,
     SourceConfig,
     StepConfig,
     WorkflowConfig,
@@ -37,6 +37,8 @@ from .settings import _settings
 
 # For `runner: codex-cli`: the hint names the runner the user meant.
 _ADAPTER_TO_RUNNER = {adapter: runner for runner, adapter in ADAPTER_OF.items() if adapter != runner}
+# What an absent retry key means comes from jobqueue.types.Retry, not from here.
+_NO_RETRY = Retry()
 
 
 def _build(check: _Checker, raw: dict, path: Path) -> Config:
@@ -190,17 +192,19 @@ def _steps(check: _Checker, raw: Any, path: str) -> tuple[StepConfig, ...]:
     return tuple(steps)
 
 
-def _retry(check: _Checker, raw: Any, path: str) -> RetryConfig:
+def _retry(check: _Checker, raw: Any, path: str) -> Retry:
     section = check.mapping(raw, path, RETRY_KEYS) or {}
-    max_attempts = _default(check.integer(section.get("max_attempts"), f"{path}.max_attempts", minimum=1), 1)
+    max_attempts = check.integer(section.get("max_attempts"), f"{path}.max_attempts", minimum=1)
     backoff = check.duration(section.get("backoff"), f"{path}.backoff", allow_zero=True)
     backoff_max = check.duration(section.get("backoff_max"), f"{path}.backoff_max", allow_zero=True)
     if backoff is not None and backoff_max is not None and backoff_max < backoff:
         check.error(
             f"{path}.backoff_max", f"expected at least backoff ({_seconds(backoff)}), got {_seconds(backoff_max)}"
         )
-    return RetryConfig(
-        max_attempts=max_attempts, backoff=_default(backoff, 0.0), backoff_max=_default(backoff_max, 300.0)
+    return Retry(
+        max_attempts=_default(max_attempts, _NO_RETRY.max_attempts),
+        backoff=_default(backoff, _NO_RETRY.backoff),
+        backoff_max=_default(backoff_max, _NO_RETRY.backoff_max),
     )
 
 
