@@ -16,6 +16,9 @@ SOURCE_TYPES = ("directory", "command")
 ID_PATTERN = "[A-Za-z0-9][A-Za-z0-9._-]*"
 MAX_ID_LENGTH = 128  # the queue's CharField width for ids used as limit keys
 
+# The lease timings and attempt count default to jobqueue.conf's, so each number is written once.
+_QUEUE_DEFAULTS = conf.QueueConfig()
+
 
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
@@ -69,10 +72,10 @@ class QueueSettings:
     listen: str | None = None
     worker_token: str | None = None
     embedded_worker: bool = True
-    lease_duration: float = 30.0
-    heartbeat_interval: float = 10.0
-    worker_timeout: float = 30.0
-    max_attempts: int = 5
+    lease_duration: float = _QUEUE_DEFAULTS.lease_duration
+    heartbeat_interval: float = _QUEUE_DEFAULTS.heartbeat_interval
+    worker_timeout: float = _QUEUE_DEFAULTS.worker_timeout
+    max_attempts: int = _QUEUE_DEFAULTS.max_attempts
     limits: conf.Limits = dataclasses.field(default_factory=conf.Limits)
 
 

@@ -24,6 +24,9 @@ from .schema import (
     SourceConfig,
 )
 
+# What an absent settings.queue key means comes from jobqueue.conf, not from here.
+_QUEUE_DEFAULTS = conf.QueueConfig()
+
 
 def _settings(
     check: _Checker, raw: Any, *, project: str, agents: Mapping[str, AgentConfig], sources: Mapping[str, SourceConfig]
@@ -66,7 +69,9 @@ def _queue(
     lease_ok = f"{p}.lease_duration" not in check.failed
     heartbeat_ok = f"{p}.heartbeat_interval" not in check.failed
     timeout_ok = f"{p}.worker_timeout" not in check.failed
-    lease, heartbeat, timeout = _default(lease, 30.0), _default(heartbeat, 10.0), _default(timeout, 30.0)
+    lease = _default(lease, _QUEUE_DEFAULTS.lease_duration)
+    heartbeat = _default(heartbeat, _QUEUE_DEFAULTS.heartbeat_interval)
+    timeout = _default(timeout, _QUEUE_DEFAULTS.worker_timeout)
     if lease_ok and heartbeat_ok:
         if heartbeat >= lease:
             heartbeat_ok = False  # the heartbeat is the value to fix; do not also blame worker_timeout
@@ -87,7 +92,8 @@ def _queue(
             f"expected more than heartbeat_interval ({_seconds(heartbeat)}), got {_seconds(timeout)}; "
             "healthy workers would look stale",
         )
-    max_attempts = _default(check.integer(section.get("max_attempts"), f"{p}.max_attempts", minimum=1), 5)
+    max_attempts = check.integer(section.get("max_attempts"), f"{p}.max_attempts", minimum=1)
+    max_attempts = _default(max_attempts, _QUEUE_DEFAULTS.max_attempts)
     limits = _limits(
         check, section.get("concurrency"), concurrency=concurrency, project=project, agents=agents, sources=sources
     )
