@@ -14,6 +14,7 @@ import pytest
 import yaml
 from django.core.management import call_command
 
+from jobqueue.types import Retry
 from workflows import config as cfg
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,7 +152,7 @@ def test_design_example_parses_with_the_right_values(tmp_path):
 
     fix = config.workflows["fix"]
     assert (fix.agent, fix.timeout, fix.priority) == ("engineer", 5400.0, 5)
-    assert fix.retry == cfg.RetryConfig(max_attempts=3, backoff=10.0, backoff_max=300.0)
+    assert fix.retry == Retry(max_attempts=3, backoff=10.0, backoff_max=300.0)
     assert fix.steps == (
         cfg.StepConfig(
             id="plan", prompt="Plan: {{ task.title }}", run=None, timeout=None, env={}, continue_on_error=False
@@ -159,7 +160,7 @@ def test_design_example_parses_with_the_right_values(tmp_path):
         cfg.StepConfig(id="test", prompt=None, run="make test", timeout=600.0, env={"CI": "1"}, continue_on_error=True),
     )
     deploy = config.workflows["deploy"]
-    assert (deploy.timeout, deploy.retry, deploy.priority) == (None, cfg.RetryConfig(), 0)
+    assert (deploy.timeout, deploy.retry, deploy.priority) == (None, Retry(), 0)
 
     inbox = config.sources["inbox"]
     assert inbox == cfg.SourceConfig(

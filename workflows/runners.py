@@ -51,7 +51,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("apiary.runners")
 
-ADAPTER_OF = {"shell": "shell", "codex": "codex-cli", "claude": "claude-code"}
+# runner (what apiary.yaml says) -> adapter (what workers advertise as `runner:<adapter>`).
+# The one list of runners: workflows.config checks `runner` against it, in this order.
+ADAPTER_OF = {"codex": "codex-cli", "claude": "claude-code", "shell": "shell"}
 EXECUTABLE = {"codex-cli": "codex", "claude-code": "claude", "shell": "sh"}
 
 OUTPUT_CAP = 1024 * 1024  # bytes of stdout kept for `steps.<id>.output`; the log has everything

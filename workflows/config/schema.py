@@ -1,0 +1,144 @@
+"""The shape of apiary.yaml: the frozen values a loaded config is made of,
+and the keys each section accepts.
+
+Frozen because one `Config` is read by the control plane, the sources and the
+embedded worker at once; none of them may change what the others see.
+Building a `Config` from a file is `loading`'s job, checking it `checker`'s.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from jobqueue import conf
+from jobqueue.types import Retry
+
+SOURCE_TYPES = ("directory", "command")
+ID_PATTERN = "[A-Za-z0-9][A-Za-z0-9._-]*"
+MAX_ID_LENGTH = 128  # the queue's CharField width for ids used as limit keys
+
+# The lease timings and attempt count default to jobqueue.conf's, so each number is written once.
+_QUEUE_DEFAULTS = conf.QueueConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    id: str
+    runner: str  # codex | claude | shell
+    adapter: str  # codex-cli | claude-code | shell
+    model: str | None = None
+    # runner shell only: a string runs under `sh -c`, a tuple is an argv.
+    command: str | tuple[str, ...] | None = None
+    worker_pool: str | None = None
+    requires_labels: tuple[str, ...] = ()
+    requires_capabilities: tuple[str, ...] = ()
+    workspace_affinity: bool = False
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    id: str
+    prompt: str | None = None  # exactly one of prompt / run is set
+    run: str | None = None
+    timeout: float | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    continue_on_error: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkflowConfig:
+    id: str
+    agent: str
+    steps: tuple[StepConfig, ...]
+    timeout: float | None = None
+    retry: Retry = Retry()  # the queue's boundary type, so the policy and its defaults are defined once
+    priority: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceConfig:
+    id: str
+    type: str  # directory | command
+    workflows: tuple[str, ...]
+    poll_interval: float = 30.0
+    path: Path | None = None  # directory: absolute, resolved against the config file's folder
+    pattern: str = "*"
+    redispatch_on_change: bool = False
+    command: str | tuple[str, ...] | None = None  # command: string -> sh -c, tuple -> argv
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueSettings:
+    listen: str | None = None
+    worker_token: str | None = None
+    embedded_worker: bool = True
+    lease_duration: float = _QUEUE_DEFAULTS.lease_duration
+    heartbeat_interval: float = _QUEUE_DEFAULTS.heartbeat_interval
+    worker_timeout: float = _QUEUE_DEFAULTS.worker_timeout
+    max_attempts: int = _QUEUE_DEFAULTS.max_attempts
+    limits: conf.Limits = dataclasses.field(default_factory=conf.Limits)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    concurrency: int = 2
+    worker_capacity: int = 1
+    queue: QueueSettings = QueueSettings()
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    path: Path
+    project: str
+    settings: Settings = Settings()
+    agents: dict[str, AgentConfig] = dataclasses.field(default_factory=dict)
+    workflows: dict[str, WorkflowConfig] = dataclasses.field(default_factory=dict)
+    sources: dict[str, SourceConfig] = dataclasses.field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def state_dir(self) -> Path:
+        return self.path.parent / ".apiary"
+
+    def queue_config(self) -> conf.QueueConfig:
+        q = self.settings.queue
+        return conf.QueueConfig(
+            lease_duration=q.lease_duration,
+            heartbeat_interval=q.heartbeat_interval,
+            worker_timeout=q.worker_timeout,
+            max_attempts=q.max_attempts,
+            limits=q.limits,
+        )
+
+
+# The keys each section accepts: anything else is reported as unknown, with a
+# did-you-mean, rather than silently ignored.
+TOP_KEYS = ("project", "settings", "agents", "workflows", "sources")
+SETTINGS_KEYS = ("concurrency", "worker_capacity", "queue")
+QUEUE_KEYS = (
+    "listen",
+    "worker_token",
+    "embedded_worker",
+    "lease_duration",
+    "heartbeat_interval",
+    "worker_timeout",
+    "max_attempts",
+    "concurrency",
+)
+CONCURRENCY_KEYS = tuple(f"default_{d}" for d in conf.DIMENSIONS) + tuple(conf.PLURAL[d] for d in conf.DIMENSIONS)
+AGENT_KEYS = (
+    "id",
+    "runner",
+    "model",
+    "command",
+    "worker_pool",
+    "requires_labels",
+    "requires_capabilities",
+    "workspace_affinity",
+    "env",
+)
+WORKFLOW_KEYS = ("id", "agent", "steps", "timeout", "retry", "priority")
+STEP_KEYS = ("id", "prompt", "run", "timeout", "env", "continue_on_error")
+RETRY_KEYS = ("max_attempts", "backoff", "backoff_max")
+SOURCE_KEYS = ("id", "type", "workflows", "poll_interval", "path", "pattern", "redispatch_on_change", "command")
+_SOURCE_TYPE_KEYS = {"directory": ("path", "pattern", "redispatch_on_change"), "command": ("command",)}

@@ -1,0 +1,173 @@
+"""The `settings` section: concurrency, worker capacity and `settings.queue`
+(listen address, worker token, lease timings and the concurrency limits).
+
+Besides reading each key, this is where values are checked against each
+other (heartbeat below the lease, worker timeout above the heartbeat) and
+where limits naming an agent, source or pool that does not exist are
+flagged, which is why it gets the already-built agents and sources.
+"""
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from jobqueue import conf
+from workflows.runners import ADAPTER_OF
+
+from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
+from .schema import (
+    CONCURRENCY_KEYS,
+    QUEUE_KEYS,
+    SETTINGS_KEYS,
+    AgentConfig,
+    QueueSettings,
+    Settings,
+    SourceConfig,
+)
+
+# What an absent settings.queue key means comes from jobqueue.conf, not from here.
+_QUEUE_DEFAULTS = conf.QueueConfig()
+
+
+def _settings(
+    check: _Checker, raw: Any, *, project: str, agents: Mapping[str, AgentConfig], sources: Mapping[str, SourceConfig]
+) -> Settings:
+    section = check.mapping(raw, "settings", SETTINGS_KEYS) or {}
+    concurrency = _default(check.integer(section.get("concurrency"), "settings.concurrency", minimum=0), 2)
+    capacity = _default(check.integer(section.get("worker_capacity"), "settings.worker_capacity", minimum=1), 1)
+    queue = _queue(
+        check, section.get("queue"), concurrency=concurrency, project=project, agents=agents, sources=sources
+    )
+    return Settings(concurrency=concurrency, worker_capacity=capacity, queue=queue)
+
+
+def _queue(
+    check: _Checker,
+    raw: Any,
+    *,
+    concurrency: int,
+    project: str,
+    agents: Mapping[str, AgentConfig],
+    sources: Mapping[str, SourceConfig],
+) -> QueueSettings:
+    p = "settings.queue"
+    section = check.mapping(raw, p, QUEUE_KEYS) or {}
+    listen = check.string(section.get("listen"), f"{p}.listen", empty_is_absent=True)
+    if listen is not None and not _valid_listen(listen):
+        check.error(f"{p}.listen", f"expected host:port (such as 0.0.0.0:8080), got {listen!r}")
+    token = check.string(section.get("worker_token"), f"{p}.worker_token", empty_is_absent=True)
+    if listen is not None and token is None and f"{p}.worker_token" not in check.failed:
+        check.error(f"{p}.worker_token", "required when settings.queue.listen is set (workers authenticate with it)")
+    elif token is not None and len(token) < 16:
+        check.warn(f"{p}.worker_token", f"only {len(token)} characters; use a long random token (32+ characters)")
+    embedded = _default(check.boolean(section.get("embedded_worker"), f"{p}.embedded_worker"), True)
+    if not embedded and listen is None and f"{p}.listen" not in check.failed:
+        check.warn(f"{p}.embedded_worker", "false and settings.queue.listen is not set: no worker can run any job")
+    lease = check.duration(section.get("lease_duration"), f"{p}.lease_duration")
+    heartbeat = check.duration(section.get("heartbeat_interval"), f"{p}.heartbeat_interval")
+    timeout = check.duration(section.get("worker_timeout"), f"{p}.worker_timeout")
+    # Cross-checks only between values that were read correctly (or defaulted).
+    lease_ok = f"{p}.lease_duration" not in check.failed
+    heartbeat_ok = f"{p}.heartbeat_interval" not in check.failed
+    timeout_ok = f"{p}.worker_timeout" not in check.failed
+    lease = _default(lease, _QUEUE_DEFAULTS.lease_duration)
+    heartbeat = _default(heartbeat, _QUEUE_DEFAULTS.heartbeat_interval)
+    timeout = _default(timeout, _QUEUE_DEFAULTS.worker_timeout)
+    if lease_ok and heartbeat_ok:
+        if heartbeat >= lease:
+            heartbeat_ok = False  # the heartbeat is the value to fix; do not also blame worker_timeout
+            check.error(
+                f"{p}.heartbeat_interval",
+                f"expected less than lease_duration ({_seconds(lease)}), got {_seconds(heartbeat)}; "
+                "every lease would run out between two heartbeats",
+            )
+        elif heartbeat > lease / 2:
+            check.warn(
+                f"{p}.heartbeat_interval",
+                f"{_seconds(heartbeat)} is more than half of lease_duration ({_seconds(lease)}); "
+                "one late heartbeat loses the lease (a third of it or less is comfortable)",
+            )
+    if heartbeat_ok and timeout_ok and timeout <= heartbeat:
+        check.error(
+            f"{p}.worker_timeout",
+            f"expected more than heartbeat_interval ({_seconds(heartbeat)}), got {_seconds(timeout)}; "
+            "healthy workers would look stale",
+        )
+    max_attempts = check.integer(section.get("max_attempts"), f"{p}.max_attempts", minimum=1)
+    max_attempts = _default(max_attempts, _QUEUE_DEFAULTS.max_attempts)
+    limits = _limits(
+        check, section.get("concurrency"), concurrency=concurrency, project=project, agents=agents, sources=sources
+    )
+    return QueueSettings(
+        listen=listen,
+        worker_token=token,
+        embedded_worker=embedded,
+        lease_duration=lease,
+        heartbeat_interval=heartbeat,
+        worker_timeout=timeout,
+        max_attempts=max_attempts,
+        limits=limits,
+    )
+
+
+def _valid_listen(listen: str) -> bool:
+    host, sep, port = listen.rpartition(":")
+    return bool(sep and host and port.isdigit() and 1 <= int(port) <= 65535 and not any(c.isspace() for c in listen))
+
+
+def _limits(
+    check: _Checker,
+    raw: Any,
+    *,
+    concurrency: int,
+    project: str,
+    agents: Mapping[str, AgentConfig],
+    sources: Mapping[str, SourceConfig],
+) -> conf.Limits:
+    """Defaults and keyed overrides per dimension. The project default is
+    `default_project` when given (even 0 = unlimited), else settings.concurrency."""
+    p = "settings.queue.concurrency"
+    section = check.mapping(raw, p, CONCURRENCY_KEYS) or {}
+    defaults: dict[str, int] = {}
+    overrides: dict[str, dict[str, int]] = {}
+    pools = {a.worker_pool for a in agents.values() if a.worker_pool}
+    # Which keys can ever meet a job, per dimension (and the section they come
+    # from): a limit on any other key never applies.
+    reachable: dict[str, tuple[Iterable[str], str, str]] = {
+        "project": ((project,), "the project is", ""),
+        "agent": (agents, "agents are", "agents"),
+        "source": (sources, "sources are", "sources"),
+        "pool": (pools, "pools used by agents are", "agents"),
+    }
+    for dim in conf.DIMENSIONS:
+        key = f"default_{dim}"
+        value = check.integer(section.get(key), f"{p}.{key}", minimum=0)
+        defaults[dim] = _default(value, concurrency if dim == "project" else 0)
+        plural = conf.PLURAL[dim]
+        keyed = section.get(plural)
+        if keyed is None or keyed is _BAD:
+            overrides[dim] = {}
+            continue
+        if not isinstance(keyed, dict):
+            check.error(f"{p}.{plural}", f"expected a mapping of {dim} names to limits, got {_describe(keyed)}")
+            overrides[dim] = {}
+            continue
+        overrides[dim] = {}
+        for name, limit in keyed.items():
+            item_path = f"{p}.{plural}.{name}"
+            if dim == "runner":
+                wanted = check.choice(name, item_path, ADAPTER_OF.values(), hint=ADAPTER_OF)
+                if wanted is None:
+                    continue
+            elif check.word(name, item_path, what=f"a {dim} name") is None:
+                continue
+            number = check.integer(limit, item_path, minimum=0)
+            if number is None:
+                continue
+            overrides[dim][name] = number
+            if dim in reachable:
+                known, label, origin = reachable[dim]
+                known = tuple(known)
+                if name not in known and origin not in check.incomplete:
+                    listing = _one_of(known) if known else "none"
+                    check.warn(item_path, f"no {dim} is called {name!r} ({label}: {listing}); this limit never applies")
+    return conf.Limits(defaults=defaults, overrides=overrides)
