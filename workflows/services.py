@@ -8,7 +8,6 @@ and the job's enqueue key, so polling an unchanged item again, or
 dispatching again after a crash, creates nothing new.
 """
 
-import dataclasses
 import logging
 import uuid
 
@@ -18,7 +17,6 @@ from jobqueue import services as queue
 from jobqueue.clock import Clock, get_clock
 from jobqueue.models import Job
 from jobqueue.text import clean
-from jobqueue.types import Retry
 
 from . import payload
 from .config import AgentConfig, Config, SourceConfig, WorkflowConfig
@@ -99,7 +97,6 @@ def instance_dispatch(
     now = (clock or get_clock()).now()
     agent: AgentConfig = config.agents[workflow.agent]
     instance = WorkflowInstance.objects.create(task=task, generation=task.generation, workflow=workflow.id, created_at=now)
-    retry = workflow.retry if isinstance(workflow.retry, Retry) else Retry(**dataclasses.asdict(workflow.retry))
     job, _ = queue.job_enqueue_in(
         key=enqueue_key(task, workflow.id),
         payload=payload.payload_of(workflow=workflow.id, instance_id=instance.pk, task=task),
@@ -113,7 +110,7 @@ def instance_dispatch(
         affinity_key=affinity_key(task.pk) if agent.workspace_affinity else None,
         priority=workflow.priority,
         max_attempts=config.settings.queue.max_attempts,
-        retry=retry,
+        retry=workflow.retry,
         clock=clock,
     )
     WorkflowInstance.objects.filter(pk=instance.pk).update(job=job)
