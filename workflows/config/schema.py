@@ -3,7 +3,7 @@ and the keys each section accepts.
 
 Frozen because one `Config` is read by the control plane, the sources and the
 embedded worker at once; none of them may change what the others see.
-Building a `Config` from a file is `loading`'s job, checking it `checker`'s.
+Reading a file into a `Config` is the other modules' job (`loading` first).
 """
 
 import dataclasses
@@ -141,4 +141,5 @@ WORKFLOW_KEYS = ("id", "agent", "steps", "timeout", "retry", "priority")
 STEP_KEYS = ("id", "prompt", "run", "timeout", "env", "continue_on_error")
 RETRY_KEYS = ("max_attempts", "backoff", "backoff_max")
 SOURCE_KEYS = ("id", "type", "workflows", "poll_interval", "path", "pattern", "redispatch_on_change", "command")
+# Keys that belong to one source type: given on a source of the other type, they are an error.
 _SOURCE_TYPE_KEYS = {"directory": ("path", "pattern", "redispatch_on_change"), "command": ("command",)}
