@@ -11,7 +11,7 @@ dispatching again after a crash, creates nothing new.
 import logging
 import uuid
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from jobqueue import services as queue
 from jobqueue.clock import Clock, get_clock
@@ -91,12 +91,18 @@ def instance_dispatch(
     """One workflow on the task's current generation: the instance and its job,
     committed together. Returns (instance, job, created); an existing instance
     is returned as it is."""
-    existing = WorkflowInstance.objects.filter(task=task, generation=task.generation, workflow=workflow.id).first()
+    lookup = {"task": task, "generation": task.generation, "workflow": workflow.id}
+    existing = WorkflowInstance.objects.select_related("job").filter(**lookup).first()
     if existing is not None:
         return existing, existing.job, False
     now = (clock or get_clock()).now()
     agent: AgentConfig = config.agents[workflow.agent]
-    instance = WorkflowInstance.objects.create(task=task, generation=task.generation, workflow=workflow.id, created_at=now)
+    try:
+        with transaction.atomic():
+            instance = WorkflowInstance.objects.create(created_at=now, **lookup)
+    except IntegrityError:  # dispatched concurrently (PostgreSQL): the other one's instance and job stand
+        existing = WorkflowInstance.objects.select_related("job").get(**lookup)
+        return existing, existing.job, False
     job, _ = queue.job_enqueue_in(
         key=enqueue_key(task, workflow.id),
         payload=payload.payload_of(workflow=workflow.id, instance_id=instance.pk, task=task),

@@ -13,6 +13,8 @@ from jobqueue.services import workers as worker_services
 from tests.factories import claim, enqueue, enqueue_job, make_task, register
 from tests.queue.racing import WAIT, lock_waiters, pause_in, run_thread
 from tests.waiting import wait_for
+from workflows.config import load
+from workflows.services import dispatch
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -169,3 +171,44 @@ def test_project_limit_race(clock, monkeypatch, queue_config):
     assert "error" not in out1 and "error" not in out2, (out1, out2)
     assert claim(wb) == []
     assert Attempt.objects.filter(state="active").count() == 1
+
+
+DISPATCH_CONFIG = """
+project: p
+agents:
+  - id: a
+    runner: shell
+    command: cat
+sources:
+  - id: inbox
+    type: directory
+    path: inbox
+    workflows: [triage]
+workflows:
+  - id: triage
+    agent: a
+    steps:
+      - id: s
+        run: "true"
+"""
+
+
+def test_dispatch_race(clock, monkeypatch, tmp_path):
+    """Two dispatches of one task: the second waited on the instance's unique
+    index, then raised IntegrityError instead of returning the existing job."""
+    (tmp_path / "apiary.yaml").write_text(DISPATCH_CONFIG)
+    (tmp_path / "inbox").mkdir()
+    config = load(tmp_path / "apiary.yaml")
+    task = make_task(source="inbox")
+    paused, release = pause_in(monkeypatch, jobs, "event", "slow")
+    t1, out1 = run_thread(lambda: dispatch(config=config, task=task, workflows=("triage",)), "slow")
+    wait_for(paused.is_set, timeout=WAIT, what="the first dispatch to pause")
+    before = lock_waiters()
+    t2, out2 = run_thread(lambda: dispatch(config=config, task=task, workflows=("triage",)), "fast")
+    wait_for(lambda: lock_waiters() > before, timeout=WAIT, what="the second dispatch to wait on a lock")
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert "error" not in out1 and "error" not in out2, (out1, out2)
+    assert [len(out1["value"]), len(out2["value"])] == [1, 0]  # jobs created: by the first only
+    assert Job.objects.count() == 1
