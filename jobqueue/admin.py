@@ -114,7 +114,11 @@ class JobAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
 
     @admin.action(description="Release affinity of the selected jobs", permissions=("operate",))
     def release_affinity(self, request, queryset):
-        release_results(request, self, queryset.values_list("affinity_key", flat=True))
+        rows = list(queryset.values_list("pk", "affinity_key"))
+        unpinnable = [str(pk) for pk, key in rows if key is None]
+        if unpinnable:
+            self.message_user(request, f"not affinity jobs: job {', '.join(unpinnable)}", messages.INFO)
+        release_results(request, self, [key for _, key in rows if key is not None])
 
 
 @admin.register(Affinity)

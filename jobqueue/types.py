@@ -19,13 +19,6 @@ WORKER_ID_HINT = "1–128 characters of A-Z a-z 0-9 . _ -, starting with a lette
 # which only the control plane decides).
 OUTCOMES = ("succeeded", "failed", "cancelled")
 
-# The keys of a claimed job that are the queue's own; a job's payload may use any other
-# key (the protocol sends payload keys beside these, see jobqueue.api.serializers.claimed_job).
-CLAIM_FIELDS = frozenset(
-    {"job_id", "attempt_id", "attempt_number", "token", "lease_expires_at", "agent", "runner"}
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class Retry:
     """Retry policy for attempts that finish `failed` (expiries count against
@@ -51,6 +44,11 @@ class Claim:
     agent: str
     runner: str
     payload: dict
+
+
+# The keys of a claimed job that are the queue's own; a job's payload may use any other
+# key (the protocol sends payload keys beside these, see jobqueue.api.serializers.claimed_job).
+CLAIM_FIELDS = frozenset(field.name for field in dataclasses.fields(Claim)) - {"payload"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,8 @@
 import pytest
 from django.contrib import admin
 from django.contrib.auth.models import Permission, User
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from jobqueue import services
@@ -205,3 +207,21 @@ def test_actions_need_the_change_permission(client, busy_queue):
     act(client, Job, "cancel_jobs", [queued.pk])
     queued.refresh_from_db()
     assert queued.state == JobState.CANCELLED
+
+
+def test_task_changelist_shows_and_filters_the_derived_state_in_a_fixed_number_of_queries(admin_client, clock):
+    def changelist(**params):
+        with CaptureQueriesContext(connection) as seen:
+            response = admin_client.get(url(Task, "changelist"), params)
+        return response.context["cl"], len(seen)
+
+    services.job_cancel(job_id=enqueue(make_task()).pk)
+    enqueue(make_task())
+    _, few = changelist()
+    for _ in range(20):
+        enqueue(make_task())
+    page, many = changelist()
+    assert many == few  # the state is annotated, not read row by row
+    assert sorted({t.state for t in page.result_list}) == ["active", "cancelled"]
+    cancelled, _ = changelist(state="cancelled")
+    assert [t.state for t in cancelled.result_list] == ["cancelled"]

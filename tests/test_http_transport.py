@@ -88,3 +88,31 @@ def test_a_claim_is_never_resent_by_the_transport(server):
     with pytest.raises(TransportError):
         transport(server).claim(session="s", max_jobs=1, wait=0)
     assert Scripted.seen == ["/api/worker/v1/claims"]
+
+
+GOOD_JOB = {
+    "job_id": 1, "attempt_id": 2, "attempt_number": 1, "token": "tok", "lease_expires_at": "2030-01-01T00:00:00Z",
+    "agent": "sh", "runner": "shell", "workflow": "triage", "instance_id": 5, "task": {"id": 7, "title": "x"},
+}
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        pytest.param({"attempt_number": "../../../../outside/pwned"}, id="path-in-attempt-number"),
+        pytest.param({"job_id": True}, id="bool-id"),
+        pytest.param({"attempt_id": 0}, id="zero-id"),
+        pytest.param({"token": 12}, id="token-not-text"),
+        pytest.param({"lease_expires_at": "soon"}, id="unparseable-lease"),
+        pytest.param({"runner": None}, id="runner-missing"),
+    ],
+)
+def test_a_claimed_job_that_is_not_protocol_v1_is_refused_and_the_others_kept(server, override):
+    # A broken or hostile control plane: queue fields become path parts and
+    # environment values on the worker, so they are checked before a Claim exists.
+    bad = {**GOOD_JOB, "job_id": 9, **override}
+    Scripted.answers = [(200, "application/json", json.dumps({"jobs": [bad, GOOD_JOB]}))]
+    claims = transport(server).claim(session="s", max_jobs=2, wait=0)
+    assert [(c.job_id, c.attempt_number, c.payload) for c in claims] == [
+        (1, 1, {"workflow": "triage", "instance_id": 5, "task": {"id": 7, "title": "x"}})
+    ]

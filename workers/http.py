@@ -39,6 +39,26 @@ def parse_time(value: str) -> dt.datetime:
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
+def _claim_of(job: dict) -> Claim:
+    """A claimed job from the wire, its queue fields checked (ids become path
+    parts and environment values on the worker)."""
+    ids = {name: job[name] for name in ("job_id", "attempt_id", "attempt_number")}
+    for name, value in ids.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    texts = {name: job[name] for name in ("token", "agent", "runner")}
+    for name, value in texts.items():
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    return Claim(
+        **ids,
+        **texts,
+        lease_expires_at=parse_time(job["lease_expires_at"]),
+        # Protocol v1 sends the payload's keys beside the queue's own fields.
+        payload={key: value for key, value in job.items() if key not in CLAIM_FIELDS},
+    )
+
+
 class HttpTransport:
     def __init__(
         self,
@@ -156,20 +176,15 @@ class HttpTransport:
             extra_read=wait,
             once=True,
         )
-        return [
-            Claim(
-                job_id=job["job_id"],
-                attempt_id=job["attempt_id"],
-                attempt_number=job["attempt_number"],
-                token=job["token"],
-                lease_expires_at=parse_time(job["lease_expires_at"]),
-                agent=job["agent"],
-                runner=job["runner"],
-                # Protocol v1 sends the payload's keys beside the queue's own fields.
-                payload={key: value for key, value in job.items() if key not in CLAIM_FIELDS},
-            )
-            for job in answer["jobs"]
-        ]
+        claims = []
+        for job in answer["jobs"]:
+            try:
+                claims.append(_claim_of(job))
+            except (KeyError, TypeError, ValueError) as exc:
+                # Not what protocol v1 sends: a broken or hostile control plane. The job's lease
+                # runs out on its own; nothing from it reaches a runner or a file path.
+                log.error("claim answer refused: a job that is not a protocol v1 job (%s)", exc)
+        return claims
 
     def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat:
         answer = self._call("POST", f"attempts/{attempt_id}/heartbeat", {"token": token}, quick=True)

@@ -31,6 +31,13 @@ CREATE TABLE IF NOT EXISTS finish_outbox (
 """
 
 
+# PRAGMA user_version of the schema above. Version 0 files (Apiary before the
+# one-way layers) keyed step_runs by instance id: that table is history only,
+# so it is dropped and made anew; the outbox, which holds undelivered
+# finishes, has the same shape in both and is kept.
+SCHEMA_VERSION = 1
+
+
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat()
 
@@ -43,6 +50,9 @@ class LocalDB:
         self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
+        if self.db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+            self.db.execute("DROP TABLE IF EXISTS step_runs")
+            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         self.db.executescript(SCHEMA)
 
     def _run(self, statement: str, params=()):

@@ -8,7 +8,7 @@ from jobqueue import services
 from jobqueue.admin import OperateMixin, ReadOnlyMixin, cancel_results, release_results
 
 from . import selectors
-from .models import StepRun, Task, WorkflowInstance
+from .models import StepRun, Task, TaskState, WorkflowInstance
 from .services import affinity_key
 
 
@@ -21,6 +21,10 @@ class StepRunInline(ReadOnlyMixin, admin.TabularInline):
 
 class InstanceInline(ReadOnlyMixin, admin.TabularInline):
     model = WorkflowInstance
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("job")
+
     fields = ("generation", "workflow", "state", "created_at", "finished_at")
     readonly_fields = fields
 
@@ -35,10 +39,23 @@ class InstanceInline(ReadOnlyMixin, admin.TabularInline):
     show_change_link = True
 
 
+class TaskStateFilter(admin.SimpleListFilter):
+    """By the derived state (workflows.selectors.with_state): no column to filter on."""
+
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request, model_admin):
+        return TaskState.choices
+
+    def queryset(self, request, queryset):
+        return queryset.filter(state=self.value()) if self.value() else queryset
+
+
 @admin.register(Task)
 class TaskAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     list_display = ("id", "source", "item_key", "generation", "title", "state", "updated_at")
-    list_filter = ("source",)
+    list_filter = ("source", TaskStateFilter)
     search_fields = ("item_key", "title")
     inlines = (InstanceInline,)
     actions = ("release_affinity",)
@@ -47,9 +64,12 @@ class TaskAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     def release_affinity(self, request, queryset):
         release_results(request, self, [affinity_key(pk) for pk in queryset.values_list("id", flat=True)])
 
-    @admin.display(description="state")
+    def get_queryset(self, request):
+        return selectors.with_state(super().get_queryset(request))
+
+    @admin.display(description="state", ordering="state")
     def state(self, obj: Task) -> str:
-        return selectors.task_state(obj)
+        return obj.state
 
 
 @admin.register(WorkflowInstance)

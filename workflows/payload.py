@@ -43,10 +43,15 @@ def payload_of(*, workflow: str, instance_id: int, task) -> dict:
 
 def read(claim: Claim) -> WorkflowJob:
     """The workflow job a claim carries; PayloadError names what is missing."""
-    p = claim.payload
+    p = claim.payload if isinstance(claim.payload, dict) else {}
     workflow, instance_id, task = p.get("workflow"), p.get("instance_id"), p.get("task")
-    if not isinstance(workflow, str) or not isinstance(instance_id, int) or isinstance(instance_id, bool):
+    if not isinstance(workflow, str) or not _positive_int(instance_id):
         raise PayloadError(f"job {claim.job_id}: its payload has no workflow and instance id")
-    if not isinstance(task, dict) or not isinstance(task.get("id"), int):
+    # The task and instance ids become path parts of the workspace and the logs.
+    if not isinstance(task, dict) or not _positive_int(task.get("id")):
         raise PayloadError(f"job {claim.job_id}: its payload has no task")
     return WorkflowJob(workflow=workflow, instance_id=instance_id, task=task)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

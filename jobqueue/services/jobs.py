@@ -66,6 +66,8 @@ def job_enqueue_in(
     its own, committed when it returns, before any claim can see the job."""
     if not connection.in_atomic_block:
         raise RuntimeError("job_enqueue_in() runs inside its caller's transaction; use job_enqueue() otherwise")
+    if not isinstance(payload, dict):
+        raise InvalidRequest(f"payload must be a JSON object, got {type(payload).__name__}", field="payload")
     clashing = CLAIM_FIELDS.intersection(payload)
     if clashing:
         raise InvalidRequest(f"payload keys {sorted(clashing)} are the queue's own", field="payload")

@@ -93,12 +93,15 @@ def test_finish(clock, django_assert_num_queries):
         assert services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded") == "succeeded"
 
 
-@pytest.mark.parametrize("outcome", ["succeeded", "failed", "cancelled"])
-def test_hot_path_touches_queue_tables_only(clock, outcome):
+@pytest.mark.parametrize(
+    "outcome, retries", [("succeeded", 1), ("failed", 2), ("failed", 1), ("cancelled", 1)],
+    ids=["succeeded", "failed-with-a-retry-left", "failed-for-good", "cancelled"],
+)
+def test_hot_path_touches_queue_tables_only(clock, outcome, retries):
     # The queue knows nothing above it: claim, heartbeat and finish read and
     # write queue tables only, whatever the outcome (a workflow instance and
     # its task read their state from the job).
-    enqueue(affinity=True, retry=Retry(max_attempts=2))
+    enqueue(affinity=True, retry=Retry(max_attempts=retries))
     worker = register("w1")
     with CaptureQueriesContext(connection) as seen:
         [c] = claim(worker)
