@@ -107,6 +107,20 @@ def _point_default_at(url: str) -> None:
     connections.settings  # noqa: B018 — … and fill in Django's defaults now
 
 
+def _sqlite_test_db_in_a_file(path) -> None:
+    """Django's default SQLite test database is `file:memorydb_default?mode=memory&cache=shared`.
+    In shared-cache mode connections lock whole tables against each other and get
+    SQLITE_LOCKED ("database table is locked") at once, busy timeout or not, and WAL
+    does not apply to memory databases. Tests where a thread (a worker runtime's job
+    thread) writes while the test's own connection reads failed at random. A file
+    gives the settings the app runs with (WAL, busy timeout, BEGIN IMMEDIATE)."""
+    from django.conf import settings
+
+    default = settings.DATABASES["default"]
+    if default["ENGINE"] == "django.db.backends.sqlite3" and not default.get("TEST", {}).get("NAME"):
+        default.setdefault("TEST", {})["NAME"] = str(path)
+
+
 @pytest.fixture(scope="session")
 def django_db_modify_db_settings(request: pytest.FixtureRequest) -> None:
     """pytest-django's hook for changing database settings just before the
@@ -114,6 +128,8 @@ def django_db_modify_db_settings(request: pytest.FixtureRequest) -> None:
     if postgres_requested():
         cluster = request.getfixturevalue("apiary_pg_cluster")
         _point_default_at(cluster.url("postgres"))
+    else:
+        _sqlite_test_db_in_a_file(request.getfixturevalue("tmp_path_factory").mktemp("sqlite") / "test_apiary.sqlite3")
     # What pytest-django's own version does: suffix test DB names per xdist worker / tox env.
     request.getfixturevalue("django_db_modify_db_settings_parallel_suffix")
 
