@@ -11,6 +11,7 @@ which makes that a usage error instead.
 """
 
 import os
+import re
 from urllib.parse import quote
 
 import pytest
@@ -119,6 +120,9 @@ def _sqlite_test_db_in_a_file(path) -> None:
     default = settings.DATABASES["default"]
     if default["ENGINE"] == "django.db.backends.sqlite3" and not default.get("TEST", {}).get("NAME"):
         default.setdefault("TEST", {})["NAME"] = str(path)
+        if "APIARY_SQLITE_SYNCHRONOUS" not in os.environ:  # a throwaway file needs no fsync per commit
+            options = default.setdefault("OPTIONS", {})
+            options["init_command"] = re.sub(r"PRAGMA synchronous=\w+;", "PRAGMA synchronous=OFF;", options.get("init_command", ""))
 
 
 @pytest.fixture(scope="session")
