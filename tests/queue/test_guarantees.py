@@ -85,6 +85,8 @@ def test_enqueued_job_is_invisible_to_claims_until_enqueue_has_committed(clock, 
     worker = register("w1")
     during = []
     record_event = jobs.event
+    if connection.vendor == "sqlite":  # the other connection gives up on the write lock in 1 s, not the 30 s busy timeout
+        monkeypatch.setitem(connection.settings_dict["OPTIONS"], "timeout", 1.0)
 
     def claim_while_enqueue_is_open(cursor, **kwargs):
         # Runs inside job_enqueue's transaction, after the job row was written.
