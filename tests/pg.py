@@ -143,8 +143,8 @@ def live_database_url(transactional_db) -> str | None:
     """URL of the live test database for subprocesses, on PostgreSQL.
 
     The test runs as a TransactionTestCase, so rows the subprocesses commit
-    are real and are flushed afterwards. None on SQLite, whose test database
-    lives in memory: give subprocesses their own database file instead."""
+    are real and are flushed afterwards. None on SQLite (a file only this
+    process should write to): give subprocesses their own database file instead."""
     from django.db import connection
 
     if connection.vendor != "postgresql":
