@@ -182,9 +182,11 @@ def test_control_plane_restart_shorter_than_the_lease_costs_no_running_job(resta
     assert [e["kind"] for e in cp.events(job_id) if e["kind"] in ("claimed", "expired", "finished")] == [
         "claimed", "finished"
     ], context
-    log = worker.output()
+    # The control plane commits before its answer reaches the worker, which logs it after.
+    finished = f"finish: job {job_id} attempt {attempt_id} outcome succeeded → job succeeded"
+    log = wait_for(lambda: finished in worker.output() and worker.output(), what="the worker to log the acknowledged finish",
+                   context=lambda: context)
     assert "discard" not in log.lower() and "self-fenced" not in log, context
-    assert f"finish: job {job_id} attempt {attempt_id} outcome succeeded → job succeeded" in log, context
     assert worker.proc.poll() is None
 
 

@@ -368,8 +368,9 @@ def test_cancel_while_leased_stops_the_runner_and_a_racing_finish_ends_cancelled
     assert (attempt["state"], attempt["job_state"]) == ("succeeded", "cancelled")
     (finish,) = proxy.matching(rf"/attempts/{attempt['id']}/finish$")
     assert finish.json()["outcome"] == "succeeded" and finish.answer() == {"job_state": "cancelled"}
-    assert re.search(rf"finish: job {job['id']} attempt {attempt['id']} outcome succeeded → job cancelled",
-                     worker.output())
+    # The control plane commits before its answer reaches the worker, which logs it after.
+    wait_for(lambda: re.search(rf"finish: job {job['id']} attempt {attempt['id']} outcome succeeded → job cancelled",
+                               worker.output()), what="the worker to log the acknowledged finish", context=worker.tail)
 
 
 # --------------------------------------------------------------------------- operations
