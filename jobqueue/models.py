@@ -10,6 +10,12 @@ import json
 from django.db import models
 from django.db.models import Q
 
+from .conf import QueueConfig
+from .types import Retry
+
+# Column defaults from the one place each number lives (a job always gets them set at enqueue).
+_QUEUE, _RETRY = QueueConfig(), Retry()
+
 
 class JobState(models.TextChoices):
     QUEUED = "queued"
@@ -131,11 +137,11 @@ class Job(models.Model):
     state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.QUEUED)
     available_at = models.DateTimeField()
     attempt_count = models.PositiveIntegerField(default=0)
-    max_attempts = models.PositiveIntegerField(default=5)
+    max_attempts = models.PositiveIntegerField(default=_QUEUE.max_attempts)
     # Retry policy for attempts that finish `failed` (not for expiries).
-    retry_max_attempts = models.PositiveIntegerField(default=1)
-    retry_backoff = models.FloatField(default=0.0)
-    retry_backoff_max = models.FloatField(default=300.0)
+    retry_max_attempts = models.PositiveIntegerField(default=_RETRY.max_attempts)
+    retry_backoff = models.FloatField(default=_RETRY.backoff)
+    retry_backoff_max = models.FloatField(default=_RETRY.backoff_max)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     current_attempt = models.OneToOneField(
         "Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="current_of"

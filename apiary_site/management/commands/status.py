@@ -15,9 +15,10 @@ from django.db import DatabaseError, connection
 
 from apiary_site import bootstrap
 from jobqueue.exceptions import QueueError
+from jobqueue.models import JobState
 from jobqueue.selectors import BLOCKED_LIMIT, status_document
 
-STATES = ("queued", "leased", "succeeded", "failed", "cancelled")
+STATES = tuple(JobState)
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
