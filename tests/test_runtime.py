@@ -15,8 +15,9 @@ from jobqueue.exceptions import StaleAttempt
 from jobqueue.models import Job, JobState
 from tests.factories import enqueue
 from tests.waiting import wait_for
+from workers.executor import Outcome
 from workers.localdb import LocalDB
-from workers.runtime import Outcome, WorkerRuntime
+from workers.runtime import WorkerRuntime
 from workers.transport import InProcessTransport, TransportError, Unauthorized, WorkerSpec
 
 pytestmark = pytest.mark.django_db(transaction=True)

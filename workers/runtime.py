@@ -18,61 +18,21 @@ that has not reached the control plane for half a lease stops claiming.
 """
 
 import dataclasses
-import enum
 import logging
 import random
 import threading
 import time
-from typing import Protocol
 
-from jobqueue.exceptions import NotFound, QueueError, SessionSuperseded, StaleAttempt, Unavailable
+from jobqueue.exceptions import QueueError
 from jobqueue.types import Claim
 
-from .transport import Registration, Transport, TransportError, Unauthorized, WorkerSpec
+from .executor import Executor, Outcome
+from .transport import Registration, Transport, TransportError, WorkerSpec
+from .verdicts import FATAL, Verdict, classify
 
 log = logging.getLogger("apiary.worker")
 
 
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    outcome: str  # succeeded | failed | cancelled
-    summary: dict
-    error: str | None = None
-
-
-class Executor(Protocol):
-    """What runs a claimed job (workflows.executor.Executor). `cancel` is set
-    when the job must stop (a cancel request, self-fencing, a second signal);
-    `grace` is how long a stopped step may take between SIGTERM and SIGKILL."""
-
-    def run(self, claim: Claim, cancel: threading.Event, *, grace: float) -> Outcome: ...
-
-
-class Verdict(enum.Enum):
-    """What the runtime does about a failed control-plane call."""
-
-    RETRY = "retry"  # the control plane could not answer now: try again later
-    STALE = "stale"  # the attempt is no longer this worker's: stop its runner, drop its result
-    SUPERSEDED = "superseded"  # another process registered this worker id: stop everything
-    UNAUTHORIZED = "unauthorized"  # the worker token was refused: stop everything
-    REFUSED = "refused"  # the call was refused as malformed: sending it again cannot help
-
-
-def classify(exc: QueueError) -> Verdict:
-    """The one place that turns a transport's errors into what the runtime does;
-    both transports raise the same domain errors."""
-    if isinstance(exc, Unavailable | TransportError):
-        return Verdict.RETRY
-    if isinstance(exc, StaleAttempt | NotFound):
-        return Verdict.STALE
-    if isinstance(exc, SessionSuperseded):
-        return Verdict.SUPERSEDED
-    if isinstance(exc, Unauthorized):
-        return Verdict.UNAUTHORIZED
-    return Verdict.REFUSED
-
-
-FATAL = (Verdict.SUPERSEDED, Verdict.UNAUTHORIZED)
 
 
 @dataclasses.dataclass

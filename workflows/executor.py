@@ -20,8 +20,8 @@ from typing import Protocol
 
 from jobqueue.text import clean
 from jobqueue.types import Claim
+from workers.executor import Outcome
 from workers.pgroups import ProcessGroups
-from workers.runtime import Outcome
 
 from . import payload, runners, templates
 from .config import Config, StepConfig

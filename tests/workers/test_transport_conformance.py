@@ -40,9 +40,10 @@ from jobqueue.models import Attempt, AttemptState, Job, JobState, Worker
 from tests.api.conftest import CANARY
 from tests.factories import enqueue, instance_id, make_task, task_id
 from tests.waiting import wait_for
+from workers.executor import Outcome
 from workers.http import HttpTransport
 from workers.localdb import LocalDB
-from workers.runtime import Outcome, WorkerRuntime
+from workers.runtime import WorkerRuntime
 from workers.transport import InProcessTransport, TransportError, WorkerSpec
 
 pytestmark = pytest.mark.django_db(transaction=True)
