@@ -107,7 +107,7 @@ def test_hot_path_touches_queue_tables_only(clock, outcome, retries):
         [c] = claim(worker)
         services.attempt_heartbeat(attempt_id=c.attempt_id, token=c.token)
         services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome=outcome)
-    tables = {name for q in seen.captured_queries for name in re.findall(r'\b(?:FROM|JOIN|INTO|UPDATE)\s+"?(\w+)', q["sql"])}
+    tables = {name for q in seen.captured_queries for name in re.findall(r'\b(?:FROM|JOIN|INTO|(?<!FOR )UPDATE)\s+"?(\w+)', q["sql"])}
     assert tables and all(name.startswith("queue_") for name in tables), sorted(tables)
 
 
