@@ -271,6 +271,15 @@ def error_of(call):
 # ----------------------------------------------------------------------------- the behaviours
 
 
+
+def running_held_job(make_runtime):
+    """A runtime that has claimed one job whose runner is running and holds until stopped."""
+    executor = FakeExecutor(hold=True)
+    runtime = make_runtime(executor)
+    assert runtime.claim_once() == 1
+    wait_for(executor.started.is_set, timeout=WAIT, what="the runner to start")
+    return executor, runtime
+
 def test_register_and_claim_hand_back_the_enqueued_job_unchanged_with_the_configured_lease(make_transport, clock):
     task = make_task(title="Ünïcode title", body="line one\nline two", payload={"labels": ["a", "b"], "n": 3, "x": None})
     job = enqueue(task, workflow="review")
@@ -299,10 +308,7 @@ def test_a_heartbeat_extends_the_lease_and_a_requested_cancel_stops_the_runner_a
     make_runtime, clock
 ):
     job = enqueue()
-    executor = FakeExecutor(hold=True)
-    runtime = make_runtime(executor)
-    assert runtime.claim_once() == 1
-    wait_for(executor.started.is_set, timeout=WAIT, what="the runner to start")
+    executor, runtime = running_held_job(make_runtime)
     claimed_until = attempts_of(job)[0].lease_expires_at
 
     clock.advance(BEAT)
@@ -329,10 +335,7 @@ def test_a_heartbeat_extends_the_lease_and_a_requested_cancel_stops_the_runner_a
 
 def test_a_stale_token_is_refused_on_heartbeat_and_finish_and_the_runtime_discards_the_result(make_runtime, clock):
     job = enqueue()
-    executor = FakeExecutor(hold=True)
-    runtime = make_runtime(executor)
-    assert runtime.claim_once() == 1
-    wait_for(executor.started.is_set, timeout=WAIT, what="the runner to start")
+    executor, runtime = running_held_job(make_runtime)
     [claim] = runtime.transport.of("claim")[0].result
     raw = runtime.transport.inner  # calls the test makes itself, not recorded as the runtime's
 
@@ -370,10 +373,7 @@ def test_registering_the_same_worker_id_again_supersedes_the_old_session_and_its
     make_runtime, make_transport
 ):
     job = enqueue()
-    executor = FakeExecutor(hold=True)
-    runtime = make_runtime(executor)
-    assert runtime.claim_once() == 1
-    wait_for(executor.started.is_set, timeout=WAIT, what="the runner to start")
+    executor, runtime = running_held_job(make_runtime)
     [claim] = runtime.transport.of("claim")[0].result
     old, session = runtime.transport.inner, runtime.session
 
@@ -411,10 +411,7 @@ def test_an_operator_drain_reaches_the_worker_on_its_next_heartbeat_and_it_finis
     make_runtime,
 ):
     job = enqueue()
-    executor = FakeExecutor(hold=True)
-    runtime = make_runtime(executor)
-    assert runtime.claim_once() == 1
-    wait_for(executor.started.is_set, timeout=WAIT, what="the runner to start")
+    executor, runtime = running_held_job(make_runtime)
 
     services.worker_drain(worker_id="w1")
     later = enqueue()
