@@ -271,7 +271,6 @@ def error_of(call):
 # ----------------------------------------------------------------------------- the behaviours
 
 
-
 def running_held_job(make_runtime):
     """A runtime that has claimed one job whose runner is running and holds until stopped."""
     executor = FakeExecutor(hold=True)

@@ -28,6 +28,10 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
 def _yes(value: bool) -> str:
     return "yes" if value else "no"
 
@@ -70,9 +74,10 @@ def render_status(doc: dict) -> str:
             [
                 [
                     str(a["job_id"]),
-                    str(a["instance_id"]),
-                    str(a["task_id"]),
-                    a["workflow"],
+                    # From the job's payload: "-" for a job that names no instance, task or workflow.
+                    _or_dash(a["instance_id"]),
+                    _or_dash(a["task_id"]),
+                    _or_dash(a["workflow"]),
                     a["worker_id"],
                     str(a["attempt_number"]),
                     a["lease_expires_at"],
