@@ -1,11 +1,19 @@
 """The worker protocol's HTTP listener: gunicorn, through its application API.
 
 `apiary run` starts this module as a child process (`python -m
-apiary_site.listener --bind HOST:PORT`) when `settings.queue.listen` is set.
-A child, not threads in the daemon: gunicorn's arbiter owns its process's
-signals and forks workers, which must not happen in a process that already
-runs the control plane's threads. The gthread worker class serves long-poll
-claims from a thread pool without tying up a process per waiting worker.
+apiary_site.listener --bind HOST:PORT …`) when `settings.queue.listen` is
+set. A child, not threads in the daemon: gunicorn's arbiter owns its
+process's signals and forks workers, which must not happen in a process
+that already runs the control plane's threads.
+
+Each gunicorn process runs uvicorn (ASGI) with an event loop: a waiting
+long-poll is a coroutine (jobqueue.api.asgi), so a thousand of them cost
+memory, not threads, and heartbeats and finishes never queue behind them;
+those run as Django sync views, each in a thread of its own. The protocol
+(`ApiaryHttp`) adds what uvicorn lacks against slow or idle sockets: a
+client must send a whole request — headers and body — within
+`request_timeout` of connecting or of its previous answer, or the socket is
+closed; a kept-alive socket idle for `idle_timeout` is closed too.
 """
 
 import argparse
@@ -17,6 +25,58 @@ import threading
 import time
 
 from gunicorn.app.base import BaseApplication
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn_worker import UvicornWorker
+
+from workflows.config.schema import ListenerSettings as ListenerOptions  # settings.queue.listener
+
+DEFAULTS = ListenerOptions()
+
+
+class ApiaryHttp(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline for each request to arrive whole."""
+
+    request_timeout = DEFAULTS.request_timeout
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._arrival = self.loop.call_later(self.request_timeout, self._too_slow)
+
+    def on_message_begin(self):
+        super().on_message_begin()
+        self._whole = False
+
+    def on_message_complete(self):
+        super().on_message_complete()
+        self._whole = True
+        self._stop_clock()
+
+    def on_response_complete(self):
+        super().on_response_complete()  # arms uvicorn's idle (keep-alive) timer
+        if not self.transport.is_closing():
+            self._stop_clock()
+            self._arrival = self.loop.call_later(self.request_timeout + self.timeout_keep_alive, self._too_slow)
+
+    def connection_lost(self, exc):
+        self._stop_clock()
+        super().connection_lost(exc)
+
+    def _stop_clock(self):
+        arrival = getattr(self, "_arrival", None)
+        if arrival is not None:
+            arrival.cancel()
+            self._arrival = None
+
+    def _too_slow(self):
+        self._arrival = None
+        # Not while a whole request is being answered (a pipelined one): only a request still arriving.
+        busy = getattr(self, "_whole", False) and self.cycle is not None and not self.cycle.response_complete
+        if not self.transport.is_closing() and not busy:
+            self.transport.close()
+
+
+class ApiaryWorker(UvicornWorker):
+    CONFIG_KWARGS = {"loop": "asyncio", "http": ApiaryHttp, "lifespan": "off"}
 
 
 class ListenerApplication(BaseApplication):
@@ -36,21 +96,22 @@ class ListenerApplication(BaseApplication):
         from apiary_site import bootstrap
 
         bootstrap.configure(os.environ.get("APIARY_CONFIG"))
-        from apiary_site.wsgi import application
+        from apiary_site.asgi import application
 
         return application
 
 
-def options_for(bind: str) -> dict:
+def options_for(bind: str, listener: ListenerOptions = DEFAULTS) -> dict:
+    ApiaryHttp.request_timeout = listener.request_timeout  # the class uvicorn instantiates per connection
     return {
         "bind": bind,
-        "workers": int(os.environ.get("APIARY_HTTP_WORKERS", "2")),
-        "worker_class": "gthread",
-        # Each waiting long-poll holds a thread for up to 30 s.
-        "threads": int(os.environ.get("APIARY_HTTP_THREADS", "16")),
+        # $APIARY_HTTP_WORKERS overrides the config (benchmarks compare process counts with it).
+        "workers": int(os.environ.get("APIARY_HTTP_WORKERS", listener.processes)),
+        "worker_class": "apiary_site.listener.ApiaryWorker",
         "timeout": 60,
         "graceful_timeout": 10,
-        "keepalive": 30,
+        "keepalive": max(1, round(listener.idle_timeout)),  # gunicorn takes whole seconds
+        "backlog": 2048,
         # Access logs would be the only place a request line shows; the token
         # travels in a header and gunicorn's default access format has no headers.
         "accesslog": None,
@@ -60,10 +121,15 @@ def options_for(bind: str) -> dict:
     }
 
 
-def start(bind: str, *, config_path: str) -> subprocess.Popen:
+def start(bind: str, *, config_path: str, listener: ListenerOptions = DEFAULTS) -> subprocess.Popen:
     """Start the listener as a child process of the daemon."""
-    env = {**os.environ, "APIARY_CONFIG": config_path}
-    argv = [sys.executable, "-m", "apiary_site.listener", "--bind", bind, "--parent", str(os.getpid())]
+    env = {**os.environ, "APIARY_CONFIG": config_path, "APIARY_ASGI": "1"}
+    argv = [
+        sys.executable, "-m", "apiary_site.listener", "--bind", bind, "--parent", str(os.getpid()),
+        "--processes", str(listener.processes),
+        "--request-timeout", str(listener.request_timeout),
+        "--idle-timeout", str(listener.idle_timeout),
+    ]  # fmt: skip
     return subprocess.Popen(argv, env=env)
 
 
@@ -87,10 +153,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Serve the Apiary worker protocol with gunicorn.")
     parser.add_argument("--bind", required=True)
     parser.add_argument("--parent", type=int, help="pid of the daemon; the listener stops when it is gone")
+    parser.add_argument("--processes", type=int, default=ListenerOptions.processes)
+    parser.add_argument("--request-timeout", type=float, default=ListenerOptions.request_timeout)
+    parser.add_argument("--idle-timeout", type=float, default=ListenerOptions.idle_timeout)
     args = parser.parse_args()
+    os.environ["APIARY_ASGI"] = "1"  # settings: no persistent connections, a pool on PostgreSQL
     if args.parent:
         exit_with_parent(args.parent)  # in the arbiter only: forked workers do not inherit threads
-    ListenerApplication(options_for(args.bind)).run()
+    options = ListenerOptions(args.processes, args.request_timeout, args.idle_timeout)
+    ListenerApplication(options_for(args.bind, options)).run()
 
 
 if __name__ == "__main__":

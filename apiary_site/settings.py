@@ -97,9 +97,19 @@ TEMPLATES = [
 ]
 
 
+# The listener's processes serve ASGI (apiary_site.listener): Django runs each
+# request's sync part in a thread of its own, so a connection kept per thread
+# would be kept per request. There connections close after each request, and
+# PostgreSQL ones come from a pool (Django 5.1+, psycopg_pool) instead.
+ASGI = os.environ.get("APIARY_ASGI") == "1"
+PG_POOL = {"min_size": 2, "max_size": int(os.environ.get("APIARY_PG_POOL_SIZE", "20")), "timeout": 10}
+
+
 def _postgres(url: str) -> dict:
     parts = urlsplit(url)
     options = dict(parse_qsl(parts.query))
+    if ASGI:
+        options["pool"] = PG_POOL
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": unquote(parts.path.lstrip("/")),
@@ -109,8 +119,8 @@ def _postgres(url: str) -> dict:
         "PORT": str(parts.port or ""),
         # Long-running processes keep their connection; close_old_connections()
         # in each loop drops a broken one. A reconnect per job costs more than the job.
-        "CONN_MAX_AGE": None,
-        "CONN_HEALTH_CHECKS": True,
+        "CONN_MAX_AGE": 0 if ASGI else None,
+        "CONN_HEALTH_CHECKS": not ASGI,  # the pool checks its connections itself
         "OPTIONS": options,
         "TEST": {"NAME": os.environ.get("APIARY_TEST_DB_NAME")} if os.environ.get("APIARY_TEST_DB_NAME") else {},
     }
@@ -120,7 +130,7 @@ def _sqlite(path: Path) -> dict:
     return {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": str(path),
-        "CONN_MAX_AGE": None,
+        "CONN_MAX_AGE": 0 if ASGI else None,
         "OPTIONS": {
             # IMMEDIATE: every transaction takes the write lock at BEGIN, so two
             # claimers never read the same queued row and then collide on the

@@ -1,40 +1,114 @@
-"""Long-poll claims: claim, and with `wait` > 0 and nothing claimable, claim
-again after short jittered sleeps until something is claimed or `wait`
-seconds pass. Shared by the protocol's `POST claims` and the embedded
-worker's in-process transport. Each claim is its own short transaction:
-nothing is held while sleeping, so other claimers, finishes and enqueues
-proceed meanwhile."""
+"""Long-poll claims: claim, and with `wait` > 0 and nothing claimable, wait
+for a wake-up (jobqueue.wakeup) and claim again, until something is claimed
+or `wait` seconds pass.
 
-import random
+While it waits a long-poll holds no transaction, no database connection and
+runs no query: it is a `Waiter` in this process's notifier. One claim
+transaction runs per wake it receives. A worker whose previous long-poll in
+this process came back empty, with no wake since that it could use, does not
+even run the first one.
+
+The steps are written once (`_steps`, a generator that asks for claim rounds
+and waits) and driven twice: `claim_with_wait` blocks its thread (the
+embedded worker, the WSGI view), `claim_with_wait_async` awaits (the ASGI
+claim endpoint) and runs each claim round in a small thread pool.
+"""
+
+import asyncio
 import time
+from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 
-from django.conf import settings
+from django.db import close_old_connections
 
 from jobqueue import services
 from jobqueue.types import Claim
+from jobqueue.wakeup import Waiter, notifier, watch
 
-DEFAULT_POLL_INTERVAL = 0.3  # seconds between claim attempts of a long-poll, before jitter
+CLAIM_THREADS = 4  # claim transactions of waiting long-polls in flight at once, per process
 
-# Indirections the long-poll tests replace; production uses the real ones.
-_sleep = time.sleep
-_monotonic = time.monotonic
-_jitter = random.Random()
+_monotonic = time.monotonic  # the long-poll tests replace it
+_claim_pool = ThreadPoolExecutor(max_workers=CLAIM_THREADS, thread_name_prefix="apiary-claim")
+_release = close_old_connections  # after each claim round (tests keep their one connection open instead)
+
+Step = tuple[str, object]
 
 
-def poll_interval() -> float:
-    """Seconds between claim attempts while long-polling (settings.APIARY_CLAIM_POLL_INTERVAL)."""
-    return float(getattr(settings, "APIARY_CLAIM_POLL_INTERVAL", DEFAULT_POLL_INTERVAL))
+def _steps(*, worker_id: str, session: str, max_jobs: int, wait: float) -> Generator[Step, object, list[Claim]]:
+    """Yields ("claim", kwargs) to get a claim Round, ("wait", (waiter, seconds))
+    to get whether the waiter was woken; returns the claims."""
+    deadline = _monotonic() + wait
+    arguments = {"worker_id": worker_id, "session": session, "max_jobs": max_jobs}
+    mark = notifier.mark()
+    shape = notifier.quiet(worker_id, session) if wait > 0 else None
+    waiter = None
+    try:
+        while True:
+            if shape is None or waiter is not None:
+                mark = notifier.mark()
+                result = yield "claim", arguments
+                if result.claims:
+                    if waiter is not None and waiter.by_fallback:
+                        notifier.pass_turn()  # more may be left that no wake announced
+                    return result.claims
+                if result.starved:
+                    notifier.came_back_empty(worker_id, session, result.shape)
+                shape = result.shape
+            remaining = deadline - _monotonic()
+            if remaining <= 0:
+                return []
+            if waiter is None:
+                watch.ensure_running()
+                waiter = Waiter(worker_id, shape)
+            else:
+                waiter.rearm()
+            notifier.add(waiter, since=mark)
+            if not (yield "wait", (waiter, remaining)):
+                return []
+    finally:
+        if waiter is not None:
+            notifier.remove(waiter)
 
 
 def claim_with_wait(*, worker_id: str, session: str, max_jobs: int, wait: float) -> list[Claim]:
-    """Claim; with `wait` > 0 and nothing claimable, claim again after short
-    jittered sleeps until something is claimed or `wait` seconds pass. Each
-    claim is its own short transaction: nothing is held while sleeping, so
-    other claimers, finishes and enqueues proceed meanwhile."""
-    deadline = _monotonic() + wait
-    while True:
-        claims = services.jobs_claim(worker_id=worker_id, session=session, max_jobs=max_jobs)
-        remaining = deadline - _monotonic()
-        if claims or remaining <= 0:
-            return claims
-        _sleep(min(remaining, poll_interval() * _jitter.uniform(0.7, 1.5)))
+    """The long-poll in the calling thread (which keeps its own connection)."""
+    steps = _steps(worker_id=worker_id, session=session, max_jobs=max_jobs, wait=wait)
+    answer = None
+    try:
+        while True:
+            kind, arg = steps.send(answer)
+            answer = services.claim_round(**arg) if kind == "claim" else arg[0].wait(arg[1])
+    except StopIteration as done:
+        return done.value
+    finally:
+        steps.close()
+
+
+async def offload(pool: ThreadPoolExecutor, fn, *args):
+    """`fn(*args)` in `pool`, awaited (the seam tests replace to keep every
+    call on the test's thread and its database connection)."""
+    return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+
+def _claim_round(arguments: dict):
+    try:
+        return services.claim_round(**arguments)
+    finally:
+        _release()  # under ASGI connections do not persist: give it back
+
+
+async def claim_with_wait_async(*, worker_id: str, session: str, max_jobs: int, wait: float) -> list[Claim]:
+    """The long-poll on the event loop: claim rounds run in the claim pool."""
+    steps = _steps(worker_id=worker_id, session=session, max_jobs=max_jobs, wait=wait)
+    answer = None
+    try:
+        while True:
+            kind, arg = steps.send(answer)
+            if kind == "claim":
+                answer = await offload(_claim_pool, _claim_round, arg)
+            else:
+                answer = await arg[0].wait_async(arg[1])
+    except StopIteration as done:
+        return done.value
+    finally:
+        steps.close()

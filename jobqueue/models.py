@@ -264,3 +264,12 @@ class Worker(models.Model):
 
     def __str__(self) -> str:
         return self.worker_id
+
+
+class Wakeup(models.Model):
+    """SQLite only: a wake-up for waiting claims, written in the transaction
+    that made jobs claimable; every process's watcher reads the new rows
+    (jobqueue.wakeup). PostgreSQL sends the same message as a NOTIFY instead.
+    Old rows are pruned as new ones come."""
+
+    message = models.TextField()

@@ -127,7 +127,7 @@ def fenced_attempt(postgres: bool) -> str:
 _FENCED_ATTEMPT = """
 SELECT a.token_hash, a.state, a.lease_expires_at, a.lease_expires_at > %s, a.job_state, a.number, a.worker_id,
        j.id, j.state, j.current_attempt_id, j.cancel_requested_at IS NOT NULL, j.retry_max_attempts,
-       j.retry_backoff, j.retry_backoff_max, a.session <> w.session
+       j.retry_backoff, j.retry_backoff_max, a.session <> w.session, j.requirements_id
   FROM queue_attempt a JOIN queue_job j ON j.id = a.job_id JOIN queue_worker w ON w.worker_id = a.worker_id
  WHERE a.id = %s
 """
@@ -191,3 +191,9 @@ def from_js(value):
 def one(cursor, statement: str, params) -> tuple | None:
     cursor.execute(statement, params)
     return cursor.fetchone()
+
+
+# Wake-ups for waiting claims (jobqueue.wakeup.emit).
+NOTIFY = "SELECT pg_notify(%s, %s)"
+INSERT_WAKEUP = "INSERT INTO queue_wakeup (message) VALUES (%s)"
+PRUNE_WAKEUPS = "DELETE FROM queue_wakeup WHERE id <= %s"

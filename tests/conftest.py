@@ -38,3 +38,22 @@ def _fresh_requirement_cache():
     services.requirement_cache.reset()
     yield
     services.requirement_cache.reset()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notifier():
+    """Waiters, delayed wakes and memos of one test never reach the next."""
+    from jobqueue.wakeup import notifier
+
+    notifier.reset()
+    yield
+    notifier.reset()
+
+
+@pytest.fixture(scope="session")
+def asgi_server():
+    """The listener's ASGI application on a thread of this process (tests/asgi_server.py)."""
+    from tests.asgi_server import AsgiServer
+
+    with AsgiServer() as server:
+        yield server

@@ -93,7 +93,7 @@ def _validation(exc: drf.ValidationError) -> tuple[int, str, str, dict, dict]:
     return 400, "invalid_request", f"invalid request: check {names}", details, {}
 
 
-def _classify(exc: Exception) -> tuple[int, str, str, dict, dict]:
+def classify(exc: Exception) -> tuple[int, str, str, dict, dict]:
     """(status, code, message, details, headers) for any exception."""
     if isinstance(exc, domain.Unavailable):
         log.warning("%s", exc.message)
@@ -136,6 +136,6 @@ def _classify(exc: Exception) -> tuple[int, str, str, dict, dict]:
 def exception_handler(exc: Exception, context: dict) -> Response:
     """DRF's EXCEPTION_HANDLER: every exception gets a JSON answer (never None,
     so DRF never falls back to Django's HTML error pages)."""
-    status_code, code, message, details, headers = _classify(exc)
+    status_code, code, message, details, headers = classify(exc)
     set_rollback()
     return Response(error_body(code, message, details), status=status_code, headers=headers)

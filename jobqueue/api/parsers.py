@@ -43,6 +43,8 @@ def buffer_body(request: HttpRequest) -> bytes:
     a missing or understated Content-Length cannot smuggle a larger body past
     the cap. Elsewhere PEP 3333 forbids reading past Content-Length (it could
     block), so Django's stream bounded by it is read — still counting bytes.
+    Under ASGI (api/asgi.py) the server delimits the body and the request's
+    stream is all of it, already cut one byte past the cap.
     """
     if hasattr(request, "_body"):  # already buffered (e.g. by a middleware)
         return request._body
@@ -50,7 +52,8 @@ def buffer_body(request: HttpRequest) -> bytes:
     declared = _declared_length(request)
     if declared is not None and declared > limit:
         raise PayloadTooLarge(limit=limit)
-    source = request.environ["wsgi.input"] if request.environ.get("wsgi.input_terminated") else request
+    environ = getattr(request, "environ", {})  # an ASGIRequest has none
+    source = environ["wsgi.input"] if environ.get("wsgi.input_terminated") else request
     chunks, total = [], 0
     while True:
         chunk = source.read(min(_CHUNK, limit + 1 - total))

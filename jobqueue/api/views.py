@@ -28,6 +28,7 @@ from .parsers import ProtocolJSONParser, buffer_body
 from .schema import AUTHENTICATE_HEADER, PROTOCOL_HEADER, responses
 
 PROTOCOL_VERSION = 1
+DEFER_CLAIM = "apiary.defer_claim"  # request.META flag: ClaimView validates, returns a Deferred
 
 
 class JSONOnly(DefaultContentNegotiation):
@@ -133,8 +134,19 @@ class ClaimView(ProtocolView):
         conflict=SUPERSEDED,
     )
     def post(self, request):
-        claims = claim_with_wait(**self.validated(s.ClaimSerializer, request))
+        arguments = self.validated(s.ClaimSerializer, request)
+        if request.META.get(DEFER_CLAIM):  # the ASGI endpoint long-polls itself (api/asgi.py)
+            return Deferred(arguments)
+        claims = claim_with_wait(**arguments)
         return Response({"jobs": [s.claimed_job(claim) for claim in claims]})
+
+
+class Deferred(Response):
+    """A validated claim, for the ASGI endpoint to long-poll and answer."""
+
+    def __init__(self, arguments: dict):
+        super().__init__(None, status=202)
+        self.arguments = arguments
 
 
 class AttemptHeartbeatView(ProtocolView):

@@ -8,7 +8,7 @@ transaction. Job and attempt states move only through
 `services.transitions` (a compare-and-set with a row count check).
 
     jobs.py       job_enqueue (and job_enqueue_in, inside a caller's transaction), job_cancel
-    claiming.py   jobs_claim
+    claiming.py   jobs_claim (claim_round: the same, with what a long-poll needs to wait)
     attempts.py   attempt_heartbeat, attempt_finish, leases_expire, reconcile
     workers.py    worker_register, worker_heartbeat, worker_drain, worker_undrain
     affinity.py   affinity_release (and the pin a claim takes)
@@ -16,7 +16,7 @@ transaction. Job and attempt states move only through
 
 from .affinity import affinity_release
 from .attempts import attempt_finish, attempt_heartbeat, leases_expire, reconcile
-from .claiming import jobs_claim, requirement_cache
+from .claiming import claim_round, jobs_claim, requirement_cache
 from .common import hash_token
 from .jobs import job_cancel, job_enqueue, job_enqueue_in
 from .workers import worker_drain, worker_heartbeat, worker_register, worker_undrain
@@ -25,6 +25,7 @@ __all__ = [
     "affinity_release",
     "attempt_finish",
     "attempt_heartbeat",
+    "claim_round",
     "hash_token",
     "job_cancel",
     "job_enqueue",

@@ -3,9 +3,13 @@
 import datetime as dt
 import hashlib
 
+from django.db import connection
+
 from .. import sql
 from ..clock import Clock
 from ..models import Affinity
+from ..wakeup import Wake
+from ..wakeup.emit import emit
 from .common import log, postgres, service
 
 PIN_LOCK_SPACE = 0x41504941  # "APIA": the advisory-lock key space of affinity pins
@@ -33,5 +37,7 @@ def affinity_release(*, key: str, clock: Clock | None = None) -> bool:
     deleted, _ = Affinity.objects.filter(key=key).delete()
     if deleted:
         log.info("affinity released: %s", key)
+        with connection.cursor() as cursor:
+            emit(cursor, Wake(requirements=None))  # its jobs may go to anyone now
     return bool(deleted)
 

@@ -14,6 +14,8 @@ from ..exceptions import InvalidRequest, NotFound, SessionSuperseded, StaleAttem
 from ..models import Attempt, AttemptState, JobState
 from ..text import clean
 from ..types import OUTCOMES, Heartbeat
+from ..wakeup import Wake
+from ..wakeup.emit import emit
 from .common import event, hash_token, now_of, postgres, service
 from .transitions import attempt_move, checked, job_move
 
@@ -36,6 +38,7 @@ class _Fenced:
     retry_backoff: float
     retry_backoff_max: float
     superseded: bool  # the worker id has registered again since this attempt's claim
+    requirements_id: int
 
 
 def _fenced(cursor, attempt_id: int, token: str, n_ow) -> _Fenced:
@@ -129,7 +132,20 @@ def attempt_finish(
                 cursor, job_id=a.job_id, old=a.job_state, new=new_state, summary=summary, finished_at=now, reason=reason
             )
         event(cursor, job_id=a.job_id, kind="finished", at=now, worker_id=a.worker_id, attempt_id=attempt_id, **detail)
+        retry_in = (available - now).total_seconds() if new_state == JobState.QUEUED else None
+        _freed(cursor, a.requirements_id, retry_in)
     return new_state
+
+
+def _freed(cursor, requirements_id: int, retry_in: float | None) -> None:
+    """Wake the waiting claims an attempt's end may serve: the job itself when
+    it is queued again (after its backoff), and one waiter of any class for
+    the limit slot it freed. (Its own worker's freed capacity needs none: that
+    worker's runtime claims again when its job ends.)"""
+    if retry_in is not None:
+        emit(cursor, Wake(requirements=requirements_id, delay=max(0.0, retry_in)))
+    if conf.current().limits.active_dimensions():
+        emit(cursor, Wake(requirements=None))
 
 
 def expire(attempt: Attempt, now: dt.datetime, why: str) -> str:
@@ -158,6 +174,7 @@ def expire(attempt: Attempt, now: dt.datetime, why: str) -> str:
             cursor, job_id=job.pk, kind="expired", at=now, worker_id=attempt.worker_id, attempt_id=attempt.pk,
             why=why, job_state=new_state,
         )
+        _freed(cursor, job.requirements_id, 0.0 if new_state == JobState.QUEUED else None)
     return new_state
 
 

@@ -7,6 +7,7 @@ take now, then walks the claim-order index of each such class only, so its
 cost does not grow with the queued jobs the worker cannot take.
 """
 
+import dataclasses
 import datetime as dt
 import hashlib
 import hmac
@@ -22,6 +23,7 @@ from ..clock import Clock
 from ..exceptions import NotFound, SessionSuperseded
 from ..models import JobState, RequirementSet
 from ..types import Claim
+from ..wakeup import notifier
 from .affinity import pin
 from .common import event, hash_token, now_of, postgres, service
 from .transitions import job_move
@@ -80,8 +82,26 @@ class RequirementCache:
             if RequirementSet.met(need_pool, need_labels, need_caps, pool=pool, labels=labels, capabilities=capabilities)
         ]
 
+    def shape(self, pk: int) -> tuple[str | None, frozenset, frozenset] | None:
+        """What set `pk` requires (pool, labels, capabilities); None when not seen yet."""
+        with self.lock:
+            known = self.sets.get(pk)
+        return None if known is None else known[:3]
+
 
 requirement_cache = RequirementCache()
+notifier.resolve = requirement_cache.shape  # the notifier matches wakes of a job class to waiting workers
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One claim transaction's result, with what a long-poll needs to wait:
+    the worker's shape, and whether it came back empty for want of jobs
+    (rather than for want of capacity, readiness, or while draining)."""
+
+    claims: list[Claim]
+    shape: tuple[str | None, frozenset, frozenset]
+    starved: bool
 
 
 def _live_counts(cursor, dimensions: tuple[str, ...], n_ow, only: list[tuple[str, str, int]] = ()) -> Counter:
@@ -113,6 +133,16 @@ def _lock_limit_keys(cursor, keys: list[tuple[str, str, int]]) -> bool:
 def jobs_claim(*, worker_id: str, session: str, max_jobs: int = 1, clock: Clock | None = None) -> list[Claim]:
     """Lease up to `max_jobs` eligible queued jobs to the worker (never beyond
     its free capacity), best first: priority, then age. [] when there is none."""
+    return _claim(worker_id, session, max_jobs, clock).claims
+
+
+@service
+def claim_round(*, worker_id: str, session: str, max_jobs: int = 1, clock: Clock | None = None) -> Round:
+    """jobs_claim, for a long-poll: the claims and what it needs to wait."""
+    return _claim(worker_id, session, max_jobs, clock)
+
+
+def _claim(worker_id: str, session: str, max_jobs: int, clock: Clock | None) -> Round:
     now = now_of(clock)
     cfg = conf.current()
     on_postgres = postgres()
@@ -130,12 +160,14 @@ def jobs_claim(*, worker_id: str, session: str, max_jobs: int = 1, clock: Clock 
         w_session, pool, labels, capabilities, capacity, draining, ready, drain_requested, busy = row
         if not hmac.compare_digest(w_session, session):
             raise SessionSuperseded(f"worker {worker_id!r} was registered again by a newer process", worker_id=worker_id)
+        labels, capabilities = frozenset(sql.from_js(labels)), frozenset(sql.from_js(capabilities))
+        shape = (pool, labels, capabilities)
         wanted = min(max_jobs, capacity - busy)
         if draining or drain_requested or not ready or wanted <= 0:
-            return []
-        eligible = requirement_cache.eligible(cursor, pool, set(sql.from_js(labels)), set(sql.from_js(capabilities)))
+            return Round([], shape, starved=False)
+        eligible = requirement_cache.eligible(cursor, pool, set(labels), set(capabilities))
         if not eligible:
-            return []
+            return Round([], shape, starved=True)
         limits = cfg.limits
         dimensions = limits.active_dimensions()
         counts = _live_counts(cursor, dimensions, n_ow) if dimensions else Counter()
@@ -168,7 +200,7 @@ def jobs_claim(*, worker_id: str, session: str, max_jobs: int = 1, clock: Clock 
                     counts[(d, k)] += 1
             if len(batch) < want or len(claims) == wanted:
                 break
-        return claims
+        return Round(claims, shape, starved=not claims)
 
 
 def _candidates(cursor, classes: list[int], worker_id: str, n_ow, passed_over: set[int], want: int) -> list[dict]:

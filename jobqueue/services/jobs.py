@@ -11,6 +11,8 @@ from ..exceptions import InvalidRequest, NotFound
 from ..models import Job, JobState, RequirementSet
 from ..text import clean
 from ..types import CLAIM_FIELDS, Retry
+from ..wakeup import Wake
+from ..wakeup.emit import emit
 from .common import event, now_of, postgres, service
 from .transitions import checked, job_move
 
@@ -102,6 +104,8 @@ def job_enqueue_in(
         return Job.objects.get(key=key), False
     with connection.cursor() as cursor:
         event(cursor, job_id=job.pk, kind="enqueued", at=now)
+        pinned = sql.one(cursor, sql.PIN_OF, [affinity_key]) if affinity_key is not None else None
+        emit(cursor, Wake(requirements=requirements.pk, worker_id=pinned[0] if pinned else None))
     return job, True
 
 

@@ -4,10 +4,14 @@ import hmac
 import secrets
 from collections.abc import Iterable
 
+from django.db import connection
+
 from ..clock import Clock
 from ..exceptions import InvalidRequest, NotFound, SessionSuperseded
 from ..models import Attempt, AttemptState, Worker
 from ..types import WORKER_ID_PATTERN, WORKER_ID_RE
+from ..wakeup import Wake
+from ..wakeup.emit import emit
 from .attempts import expire
 from .common import now_of, postgres, service
 
@@ -94,4 +98,7 @@ def worker_drain(*, worker_id: str) -> Worker:
 
 @service
 def worker_undrain(*, worker_id: str) -> Worker:
-    return _set_drain(worker_id, False)
+    worker = _set_drain(worker_id, False)
+    with connection.cursor() as cursor:
+        emit(cursor, Wake(requirements=None, worker_id=worker_id))  # it may claim again
+    return worker

@@ -6,6 +6,7 @@ by the `api`/`raw` helpers, and every log record of every logger, at DEBUG,
 is checked for it when the test ends.
 """
 
+import asyncio
 import io
 import json
 import logging
@@ -13,8 +14,10 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.test import Client
 from django.test.client import ClientHandler
+from requests.structures import CaseInsensitiveDict
 
 from jobqueue.models import Affinity, Attempt, Job, JobEvent, RequirementSet, Worker
 from workflows.models import Task, WorkflowInstance
@@ -124,9 +127,95 @@ class Api:
         return response
 
 
-@pytest.fixture
-def api():
-    return Api()
+class AsgiApi(Api):
+    """The same requests through the listener's ASGI application
+    (jobqueue.api.asgi in front of Django). asgiref's async_to_sync runs it
+    on an event loop in another thread and sends the calls it would make in
+    its thread pools back to this thread, so the views use the test's
+    database connection and see its transaction, as the WSGI client's do."""
+
+    def __init__(self, monkeypatch):
+        from asgiref.sync import sync_to_async
+        from django.core.handlers.asgi import ASGIHandler
+
+        from jobqueue import longpoll
+        from jobqueue.api import asgi
+
+        monkeypatch.setattr(longpoll, "offload", lambda pool, fn, *a: sync_to_async(fn, thread_sensitive=True)(*a))
+        monkeypatch.setattr(asgi, "_release", lambda: None)
+        monkeypatch.setattr(longpoll, "_release", lambda: None)
+        self.app = asgi.with_worker_protocol(ASGIHandler())
+        self.client = UncheckedAsgiClient(self.app)
+
+    def post(self, path, body=None, *, raw=None, token=CANARY, headers=None, content_type="application/json"):
+        data = raw if raw is not None else json.dumps(body if body is not None else {})
+        return self.request("POST", BASE + path, data=data, content_type=content_type, token=token, headers=headers)
+
+    def get(self, path, *, token=CANARY, headers=None, absolute=False):
+        return self.request("GET", path if absolute else BASE + path, token=token, headers=headers)
+
+    def request(self, method, path, *, data=b"", content_type=None, token=CANARY, headers=None, **kwargs):
+        assert not kwargs, kwargs
+        meta = self._headers(token, headers)
+        if content_type is not None:
+            meta["CONTENT_TYPE"] = content_type
+        response = asgi_call(self.app, method, path, meta, data.encode() if isinstance(data, str) else data)
+        check_response(response.status_code, response.headers, response.content)
+        return response
+
+
+class UncheckedAsgiClient:
+    """What tests use of Django's test Client, unchecked: post(path, data, content_type=…, **META)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def post(self, path, data, *, content_type, **meta):
+        body = json.dumps(data) if isinstance(data, dict) else data
+        return asgi_call(self.app, "POST", path, {"CONTENT_TYPE": content_type, **meta}, body.encode())
+
+
+def asgi_call(app, method: str, path: str, meta: dict, body: bytes) -> "RawResponse":
+    """One HTTP request through an ASGI application; `meta` in Django's
+    META spelling (HTTP_X_Y, CONTENT_TYPE) as the test client takes it."""
+    path, _, query = path.partition("?")
+    headers = [(b"host", b"testserver")]
+    for key, value in meta.items():
+        name = key.removeprefix("HTTP_") if key.startswith("HTTP_") else key
+        value = str(value)
+        # Header bytes are bytes: what cannot be latin-1 (a str no WSGI server makes) goes as UTF-8.
+        raw = value.encode("latin-1") if value.isascii() or max(value) <= "\xff" else value.encode()
+        headers.append((name.lower().replace("_", "-").encode("latin-1"), raw))
+    if body and not any(name == b"content-length" for name, _ in headers):
+        headers.append((b"content-length", str(len(body)).encode()))
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
+        "headers": headers, "client": ("127.0.0.1", 50000), "server": ("testserver", 80),
+    }  # fmt: skip
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = []
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # no disconnect while the request is answered
+
+    async def send(message):
+        sent.append(message)
+
+    async_to_sync(app)(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    response_headers = CaseInsensitiveDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in start["headers"])
+    return RawResponse(start["status"], response_headers, content)
+
+
+@pytest.fixture(params=["wsgi", "asgi"])
+def api(request, monkeypatch):
+    """The protocol through Django's test client (WSGI), and through the
+    listener's ASGI application: every protocol test runs against both."""
+    return Api() if request.param == "wsgi" else AsgiApi(monkeypatch)
 
 
 @dataclass
@@ -137,6 +226,9 @@ class RawResponse:
 
     def json(self):
         return json.loads(self.content)
+
+    def __getitem__(self, header: str) -> str:
+        return self.headers[header]
 
 
 def wsgi_app():

@@ -146,7 +146,7 @@ class Wire:
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(params=["in_process", "http"])
+@pytest.fixture(params=["in_process", "http", "asgi"])
 def transport_kind(request) -> str:
     return request.param
 
@@ -161,16 +161,19 @@ def control_plane(queue_config, clock, settings):
 
 
 @pytest.fixture
-def make_transport(transport_kind, live_server):
-    """`make_transport(worker_id)`: a transport of this test's kind. (The live
-    server is session-scoped and requested for both kinds alike.)"""
+def make_transport(transport_kind, request):
+    """`make_transport(worker_id)`: a transport of this test's kind: in
+    process, HTTP to the WSGI live server, or HTTP to the listener's ASGI
+    application (tests/asgi_server.py). Both servers are session-scoped."""
     made = []
+    server = {"http": "live_server", "asgi": "asgi_server"}.get(transport_kind)
+    url = request.getfixturevalue(server).url if server else None
 
     def make(worker_id: str = "w1"):
         if transport_kind == "in_process":
             transport = InProcessTransport(worker_id=worker_id)
         else:
-            transport = HttpTransport(base_url=live_server.url, token=CANARY, worker_id=worker_id)
+            transport = HttpTransport(base_url=url, token=CANARY, worker_id=worker_id)
         made.append(transport)
         return transport
 

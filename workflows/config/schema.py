@@ -68,6 +68,15 @@ class SourceConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ListenerSettings:
+    """settings.queue.listener: how the worker protocol's listener is run."""
+
+    processes: int = 2  # gunicorn processes, each an event loop serving any number of connections
+    request_timeout: float = 10.0  # a request must arrive whole this soon, or its socket is closed
+    idle_timeout: float = 60.0  # a kept-alive socket with no request for this long is closed
+
+
+@dataclasses.dataclass(frozen=True)
 class QueueSettings:
     listen: str | None = None
     worker_token: str | None = None
@@ -77,6 +86,7 @@ class QueueSettings:
     worker_timeout: float = _QUEUE_DEFAULTS.worker_timeout
     max_attempts: int = _QUEUE_DEFAULTS.max_attempts
     limits: conf.Limits = dataclasses.field(default_factory=conf.Limits)
+    listener: ListenerSettings = ListenerSettings()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +134,9 @@ QUEUE_KEYS = (
     "worker_timeout",
     "max_attempts",
     "concurrency",
+    "listener",
 )
+LISTENER_KEYS = ("processes", "request_timeout", "idle_timeout")
 CONCURRENCY_KEYS = tuple(f"default_{d}" for d in conf.DIMENSIONS) + tuple(conf.PLURAL[d] for d in conf.DIMENSIONS)
 AGENT_KEYS = (
     "id",

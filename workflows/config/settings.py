@@ -16,9 +16,11 @@ from workflows.runners import ADAPTER_OF
 from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
 from .schema import (
     CONCURRENCY_KEYS,
+    LISTENER_KEYS,
     QUEUE_KEYS,
     SETTINGS_KEYS,
     AgentConfig,
+    ListenerSettings,
     QueueSettings,
     Settings,
     SourceConfig,
@@ -97,7 +99,9 @@ def _queue(
     limits = _limits(
         check, section.get("concurrency"), concurrency=concurrency, project=project, agents=agents, sources=sources
     )
+    listener = _listener(check, section.get("listener"))
     return QueueSettings(
+        listener=listener,
         listen=listen,
         worker_token=token,
         embedded_worker=embedded,
@@ -106,6 +110,20 @@ def _queue(
         worker_timeout=timeout,
         max_attempts=max_attempts,
         limits=limits,
+    )
+
+
+def _listener(check: _Checker, raw: Any) -> ListenerSettings:
+    p = "settings.queue.listener"
+    section = check.mapping(raw, p, LISTENER_KEYS) or {}
+    defaults = ListenerSettings()
+    processes = check.integer(section.get("processes"), f"{p}.processes", minimum=1, maximum=64)
+    request = check.duration(section.get("request_timeout"), f"{p}.request_timeout")
+    idle = check.duration(section.get("idle_timeout"), f"{p}.idle_timeout")
+    return ListenerSettings(
+        processes=_default(processes, defaults.processes),
+        request_timeout=_default(request, defaults.request_timeout),
+        idle_timeout=_default(idle, defaults.idle_timeout),
     )
 
 

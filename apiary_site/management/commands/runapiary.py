@@ -46,8 +46,10 @@ class Command(BaseCommand):
                     "refusing to serve the worker protocol without a token",
                     returncode=2,
                 )
-            listener = apiary_listener.start(queue_settings.listen, config_path=str(config.path))
-            log.info("worker protocol listening on %s (gunicorn, pid %s)", queue_settings.listen, listener.pid)
+            listener = apiary_listener.start(
+                queue_settings.listen, config_path=str(config.path), listener=queue_settings.listener
+            )
+            log.info("worker protocol listening on %s (gunicorn + uvicorn, pid %s)", queue_settings.listen, listener.pid)
 
         daemon = Daemon(
             config=config,

@@ -1,0 +1,113 @@
+"""One thread per process that brings other processes' wakes to this
+process's notifier, and ticks it (timers, the fallback re-check).
+
+PostgreSQL: one connection of its own, `LISTEN apiary_wakeup`. SQLite:
+`PRAGMA data_version` on a connection of its own changes whenever another
+connection commits; only then does it read the new `queue_wakeup` rows.
+Either way the watcher holds no transaction open (autocommit), so it never
+pins an old snapshot or blocks a WAL checkpoint. A broken connection is
+reopened after a pause; meanwhile the fallback keeps waiters re-checking.
+"""
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+
+from django.db import connection
+
+from . import emit, notifier
+
+log = logging.getLogger("apiary.queue")
+
+POLL = 0.01  # SQLite: seconds between data_version checks (a read of shared memory)
+RETRY = 1.0  # seconds before reopening a broken watcher connection
+
+_started: dict[int, threading.Thread] = {}  # pid → watcher (a forked child starts its own)
+_start_lock = threading.Lock()
+
+
+def ensure_running() -> None:
+    """Start this process's watcher unless it runs already."""
+    pid = os.getpid()
+    if pid in _started:
+        return
+    with _start_lock:
+        if pid in _started:
+            return
+        settings = dict(connection.settings_dict)
+        if connection.vendor == "postgresql":
+            params = connection.get_connection_params()
+            target = _postgres_loop
+        else:
+            params = settings["NAME"]
+            target = _sqlite_loop
+        thread = threading.Thread(target=target, args=(params,), name="apiary-wakeup-watch", daemon=True)
+        thread.start()
+        _started[pid] = thread
+
+
+def _deliver(message: str) -> None:
+    try:
+        sender, wake = emit.decode(message)
+    except (ValueError, TypeError):
+        log.warning("wake-up watcher: ignored a malformed message")
+        return
+    if sender != emit.origin():
+        notifier.publish(wake)
+
+
+def _sqlite_loop(path: str) -> None:
+    if not path or path == ":memory:" or "mode=memory" in str(path):
+        # No file other processes could write: only this process's own wakes exist.
+        while True:
+            notifier.tick()
+            time.sleep(POLL)
+    while True:
+        try:
+            db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5)
+            try:
+                last_id = db.execute("SELECT COALESCE(MAX(id), 0) FROM queue_wakeup").fetchone()[0]
+                version = None
+                while True:
+                    current = db.execute("PRAGMA data_version").fetchone()[0]
+                    if current != version:
+                        version = current
+                        for row_id, message in db.execute(
+                            "SELECT id, message FROM queue_wakeup WHERE id > ? ORDER BY id", (last_id,)
+                        ).fetchall():
+                            last_id = row_id
+                            _deliver(message)
+                    notifier.tick()
+                    time.sleep(POLL)
+            finally:
+                db.close()
+        except sqlite3.Error as exc:
+            log.warning("wake-up watcher: %s; reopening in %.0fs", exc, RETRY)
+            _pause()
+
+
+def _postgres_loop(params: dict) -> None:
+    import psycopg
+
+    for name in ("cursor_factory", "context", "prepare_threshold"):
+        params.pop(name, None)
+    while True:
+        try:
+            with psycopg.connect(**params, autocommit=True) as db:
+                db.execute(f"LISTEN {emit.CHANNEL}")
+                while True:
+                    for note in db.notifies(timeout=0.05):
+                        _deliver(note.payload)
+                    notifier.tick()
+        except psycopg.Error as exc:
+            log.warning("wake-up watcher: %s; reconnecting in %.0fs", exc, RETRY)
+            _pause()
+
+
+def _pause() -> None:
+    deadline = time.monotonic() + RETRY
+    while time.monotonic() < deadline:
+        notifier.tick()
+        time.sleep(POLL)
