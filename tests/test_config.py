@@ -192,11 +192,14 @@ def test_minimal_file_gets_every_default(tmp_path):
     path = write(tmp_path, "agents: []\n")
     config = cfg.load(path, environ={})
     assert config.project == tmp_path.name
-    assert config.settings == cfg.Settings(concurrency=2, worker_capacity=1, queue=config.settings.queue)
+    assert config.settings == cfg.Settings(concurrency=0, worker_capacity=1, queue=config.settings.queue)
     q = config.settings.queue
     assert (q.listen, q.worker_token, q.embedded_worker) == (None, None, True)
     assert (q.lease_duration, q.heartbeat_interval, q.worker_timeout, q.max_attempts) == (30.0, 10.0, 30.0, 5)
-    assert q.limits.defaults == {"project": 2, "source": 0, "agent": 0, "runner": 0, "pool": 0}
+    # No limit at all, the project's included: the workers' capacity governs.
+    assert q.limits.defaults == {"project": 0, "source": 0, "agent": 0, "runner": 0, "pool": 0}
+    assert q.limits.limit("project", config.project) == 0
+    assert q.limits.active_dimensions() == ()
     assert (config.agents, config.workflows, config.sources) == ({}, {}, {})
 
 
@@ -212,12 +215,16 @@ def test_config_objects_are_frozen(tmp_path):
 @pytest.mark.parametrize(
     ("settings", "project_limit"),
     [
-        ({}, 2),
+        # omitted means no project limit, as every omitted limit
+        ({}, 0),
+        ({"concurrency": 2}, 2),
         ({"concurrency": 7}, 7),
+        ({"concurrency": 0}, 0),
         ({"concurrency": 7, "queue": {"concurrency": {"default_project": 3}}}, 3),
         # an explicit 0 means unlimited and still wins over settings.concurrency
         ({"concurrency": 7, "queue": {"concurrency": {"default_project": 0}}}, 0),
-        ({"queue": {"concurrency": {"default_agent": 4}}}, 2),
+        ({"queue": {"concurrency": {"default_project": 3}}}, 3),
+        ({"queue": {"concurrency": {"default_agent": 4}}}, 0),
     ],
 )
 def test_project_limit_precedence(tmp_path, settings, project_limit):

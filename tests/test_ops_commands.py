@@ -8,10 +8,11 @@ from django.core.management import CommandError, call_command
 
 from apiary_site import cli
 from apiary_site.management.commands.status import render_status
-from jobqueue import services
+from jobqueue import conf, services
 from jobqueue.models import Affinity, Job, JobState, Worker
 from jobqueue.selectors import status_document
 from tests.factories import claim, enqueue, instance_id, make_task, register, task_id
+from workflows import config as cfg
 from workflows.services import affinity_key
 
 pytestmark = pytest.mark.django_db
@@ -102,6 +103,24 @@ def test_status_warns_when_every_queued_job_is_blocked(clock):
     register("w1")
     enqueue(pool="build")
     assert "WARNING: none of the 1 queued job(s) can be taken by any worker now" in run("status")
+
+
+def test_status_names_the_project_limit_that_keeps_jobs_from_idle_workers(clock, tmp_path):
+    path = tmp_path / "apiary.yaml"
+    path.write_text("project: hello\nsettings:\n  concurrency: 2\n")
+    conf.configure(cfg.load(path, environ={}).queue_config())  # as `apiary run` would (undone by the fixture)
+    workers = [register(f"w{i}", capacity=4) for i in range(3)]
+    for _ in range(5):
+        enqueue(project="hello")
+    assert sum(len(claim(w, max_jobs=4)) for w in workers) == 2  # ten free slots stay free
+
+    reason = "project limit hello: 2 of 2 running"
+    doc = json.loads(run("status", "--json", "--config", str(path)))
+    assert [b["reason"] for b in doc["blocked"]] == [reason] * 3
+    out = run("status", "--config", str(path))
+    blocked_section = out.split("Blocked\n", 1)[1].splitlines()
+    assert [line.split(maxsplit=1)[1] for line in blocked_section[1:4]] == [reason] * 3
+    assert "WARNING: none of the 3 queued job(s) can be taken by any worker now" in out
 
 
 def test_render_status_of_an_empty_document():

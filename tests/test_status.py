@@ -265,7 +265,7 @@ def test_limit_reached(clock, queue_config):
     free = enqueue(agent="engineer")
     claimed = claim(worker, max_jobs=4)
     assert {c.job_id for c in claimed} == {first.pk, free.pk}
-    assert reasons() == {second.pk: "limit agents.deployer reached"}
+    assert reasons() == {second.pk: "agent limit deployer: 1 of 1 running"}
 
 
 def test_default_limit_is_named_by_key(clock, queue_config):
@@ -274,7 +274,26 @@ def test_default_limit_is_named_by_key(clock, queue_config):
     enqueue(project="alpha")
     waiting = enqueue(project="alpha")
     claim(worker, max_jobs=4)
-    assert reasons() == {waiting.pk: "limit projects.alpha reached"}
+    assert reasons() == {waiting.pk: "project limit alpha: 1 of 1 running"}
+
+
+@pytest.mark.parametrize(
+    ("dimension", "key", "job"),
+    [
+        ("project", "hello", {"project": "hello"}),
+        ("source", "inbox", {"source": "inbox"}),
+        ("agent", "deployer", {"agent": "deployer"}),
+        ("runner", "shell", {"runner": "shell"}),
+        ("pool", "build", {"pool": "build"}),
+    ],
+)
+def test_a_limit_holding_jobs_back_from_idle_workers_is_named_with_its_number(clock, queue_config, dimension, key, job):
+    queue_config(limits=Limits(overrides={dimension: {key: 2}}))
+    workers = [register(f"w{i}", pool="build", capacity=4) for i in range(3)]
+    jobs = [enqueue(**job) for _ in range(5)]
+    assert sum(len(claim(w, max_jobs=4)) for w in workers) == 2
+    waiting = [j.pk for j in jobs if Job.objects.get(pk=j.pk).state == JobState.QUEUED]
+    assert reasons() == dict.fromkeys(waiting, f"{dimension} limit {key}: 2 of 2 running")
 
 
 def test_no_healthy_worker(clock, queue_config):

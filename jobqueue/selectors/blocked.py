@@ -12,7 +12,7 @@ from django.db.models import BooleanField, Case, Count, Exists, Min, OuterRef, S
 
 from .. import conf
 from ..clock import get_clock
-from ..conf import DIMENSIONS, PLURAL
+from ..conf import DIMENSIONS
 from ..models import Affinity, Attempt, AttemptState, Job, JobState, RequirementSet, Worker
 from .workers import HEALTHY, active_jobs, worker_health, worker_is_draining, workers_all
 
@@ -186,10 +186,13 @@ class _Judge:
         return self._limit(group) or self._capacity([worker], f"{prefix} (at capacity)") or self._later(group)
 
     def _limit(self, group: _Group) -> str | None:
+        """The first limit at its number, named with its dimension, key and
+        number, e.g. "project limit hello: 2 of 2 running"."""
         for d, key in group.keys().items():
             cap = self.limits.limit(d, key)
-            if cap > 0 and self.counts[(d, key)] >= cap:
-                return f"limit {PLURAL[d]}.{key} reached"
+            running = self.counts[(d, key)]
+            if cap > 0 and running >= cap:
+                return f"{d} limit {key}: {running} of {cap} running"
         return None
 
     def _capacity(self, able: list[Worker], text: str) -> str | None:

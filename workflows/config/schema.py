@@ -91,7 +91,7 @@ class QueueSettings:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    concurrency: int = 2
+    concurrency: int = 0  # the project limit unless queue.concurrency.default_project is set; 0 = none
     worker_capacity: int = 1
     queue: QueueSettings = QueueSettings()
 

@@ -34,7 +34,8 @@ def _settings(
     check: _Checker, raw: Any, *, project: str, agents: Mapping[str, AgentConfig], sources: Mapping[str, SourceConfig]
 ) -> Settings:
     section = check.mapping(raw, "settings", SETTINGS_KEYS) or {}
-    concurrency = _default(check.integer(section.get("concurrency"), "settings.concurrency", minimum=0), 2)
+    # Absent, like every other limit, means none: the workers' capacity governs.
+    concurrency = _default(check.integer(section.get("concurrency"), "settings.concurrency", minimum=0), 0)
     capacity = _default(check.integer(section.get("worker_capacity"), "settings.worker_capacity", minimum=1), 1)
     queue = _queue(
         check, section.get("queue"), concurrency=concurrency, project=project, agents=agents, sources=sources
@@ -142,7 +143,8 @@ def _limits(
     sources: Mapping[str, SourceConfig],
 ) -> conf.Limits:
     """Defaults and keyed overrides per dimension. The project default is
-    `default_project` when given (even 0 = unlimited), else settings.concurrency."""
+    `default_project` when given (even 0 = unlimited), else settings.concurrency
+    (0 = unlimited when that is absent too); every other default is 0."""
     p = "settings.queue.concurrency"
     section = check.mapping(raw, p, CONCURRENCY_KEYS) or {}
     defaults: dict[str, int] = {}
