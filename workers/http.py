@@ -16,8 +16,11 @@ call waits for, or reuses, a connection another concern holds:
   threads, up to `capacity` at once (registration and the outbox flush run
   before any job thread exists): a pool of `capacity`. Not the heartbeat
   pool: a finish is not quick (a large summary, a busy database, a full read
-  timeout), and heartbeats queueing for a pool sized for finishes is what
-  this split is for.
+  timeout, a resend), so the heartbeat pool stays small, warm and free.
+
+A pool never blocks (requests' default): a request beyond its size opens a
+connection and drops it afterwards. The sizes are what the threads using each
+pool need, so in steady state every call reuses a kept-alive connection.
 
 Thread safety: requests does not document `Session` as thread-safe. These
 sessions are configured completely here and never changed afterwards
@@ -28,8 +31,8 @@ thread-safe and lends each connection to one request at a time.
 
 Connect and read timeouts; errors come back as the same domain exceptions the
 in-process transport raises. Retrying is the caller's (workers/backoff.py):
-by default every call is tried once, so the runtime's loops are the only retry
-layer. `attempts` > 1 is for one-shot callers such as `apiary status`: then
+by default every call is tried once, so the runtime's loops and the worker
+command's registration loop are the only retry layer. `attempts` > 1 is for one-shot callers such as `apiary status`: then
 connection errors and 502/503/504 are retried with the same jittered backoff
 (honouring `Retry-After`), never other 4xx, which are answers, not accidents.
 """
