@@ -1,12 +1,44 @@
 """The remote worker's transport: the worker protocol v1 over HTTP.
 
-One `requests.Session` (keep-alive), connect and read timeouts, retries with
-jittered exponential backoff on connection errors and 503 — never on other
-4xx, which are answers, not accidents. Error codes come back as the same
-domain exceptions the in-process transport raises.
+One `requests.Session` (a keep-alive connection pool) per concern, so that no
+call waits for, or reuses, a connection another concern holds:
+
+* `claims`: the long poll, which holds its connection for up to `wait` plus
+  the read timeout. Only the claim loop claims, one claim at a time: a pool of
+  one, used by that one thread.
+* `beats`: attempt and worker heartbeats, the calls every lease depends on.
+  The heartbeat thread sends them; the claim loop sends a few (the heartbeat
+  that confirms a claim answered late, the worker heartbeat that probes an
+  unreachable control plane, the last `ready: false` once the heartbeat
+  thread has ended): a pool of two. A long poll or a slow finish never holds
+  one of its connections.
+* `calls`: finishes, registration, status. Finishes come from the job
+  threads, up to `capacity` at once (registration and the outbox flush run
+  before any job thread exists): a pool of `capacity`. Not the heartbeat
+  pool: a finish is not quick (a large summary, a busy database, a full read
+  timeout, a resend), so the heartbeat pool stays small, warm and free.
+
+A pool never blocks (requests' default): a request beyond its size opens a
+connection and drops it afterwards. The sizes are what the threads using each
+pool need, so in steady state every call reuses a kept-alive connection.
+
+Thread safety: requests does not document `Session` as thread-safe. These
+sessions are configured completely here and never changed afterwards
+(headers, adapters); the one thing a request writes into its session, the
+cookie jar, refuses every cookie (the protocol uses none), so concurrent
+requests on `beats` or `calls` share only urllib3's connection pool, which is
+thread-safe and lends each connection to one request at a time.
+
+Connect and read timeouts; errors come back as the same domain exceptions the
+in-process transport raises. Retrying is the caller's (workers/backoff.py):
+by default every call is tried once, so the runtime's loops and the worker
+command's registration loop are the only retry layer. `attempts` > 1 is for one-shot callers such as `apiary status`: then
+connection errors and 502/503/504 are retried with the same jittered backoff
+(honouring `Retry-After`), never other 4xx, which are answers, not accidents.
 """
 
 import datetime as dt
+import http.cookiejar
 import logging
 import os
 import random
@@ -14,10 +46,12 @@ import socket
 import time
 
 import requests
+from requests.adapters import HTTPAdapter
 
 from jobqueue.exceptions import InvalidRequest, NotFound, SessionSuperseded, StaleAttempt
 from jobqueue.types import CLAIM_FIELDS, Claim, Heartbeat
 
+from .backoff import Backoff, retry_after_of
 from .transport import Registration, TransportError, Unauthorized, WorkerSpec
 
 log = logging.getLogger("apiary.worker")
@@ -59,6 +93,17 @@ def _claim_of(job: dict) -> Claim:
     )
 
 
+def _session(*, token: str, pool: int) -> requests.Session:
+    """A session for one concern: its own pool of `pool` keep-alive connections, no cookies."""
+    session = requests.Session()
+    session.headers.update({"Authorization": f"Bearer {token}", "Accept": "application/json"})
+    session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
+    adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
 class HttpTransport:
     def __init__(
         self,
@@ -69,8 +114,11 @@ class HttpTransport:
         ca_cert: str | None = None,
         connect_timeout: float = 5.0,
         read_timeout: float = 15.0,
-        attempts: int = 4,
+        attempts: int = 1,
+        capacity: int = 1,
         version: str = "",
+        sleep=time.sleep,
+        rand=random.random,
     ):
         self.base = base_url.rstrip("/") + PROTOCOL_PATH
         self.worker_id = worker_id
@@ -79,14 +127,22 @@ class HttpTransport:
         self.attempts = attempts
         self.version = version
         self.beat_timeout = read_timeout  # one heartbeat interval, once registered
-        self.session = requests.Session()
-        self.session.headers.update({"Authorization": f"Bearer {token}", "Accept": "application/json"})
+        self.sleep = sleep  # between attempts, when attempts > 1; tests pass a fake one
+        self.rand = rand  # that backoff's jitter, uniform in [0, 1)
+        self.claims = _session(token=token, pool=1)
+        self.beats = _session(token=token, pool=2)
+        self.calls = _session(token=token, pool=max(1, capacity))
         # Passed with every request: requests lets $REQUESTS_CA_BUNDLE override a
         # session-level `verify`, but not a per-request one.
         self.verify: str | bool = ca_cert or True
 
+    @property
+    def sessions(self) -> tuple[requests.Session, ...]:
+        return (self.claims, self.beats, self.calls)
+
     def _call(
         self,
+        session: requests.Session,
         method: str,
         path: str,
         body: dict | None = None,
@@ -95,19 +151,20 @@ class HttpTransport:
         quick: bool = False,
         once: bool = False,
     ) -> dict:
-        """One protocol call. Connection errors and 502/503/504 are retried with
-        jittered backoff; other answers are not (a 4xx is an answer, a 500 a bug).
-        `quick` calls (heartbeats) try once with a read timeout of one heartbeat
-        interval: the runtime beats again next round, and one hung request must
-        not hold up the heartbeats of every other job. `once` calls (claims) are
-        not retried here because they are not idempotent: a claim whose answer
-        was lost leased jobs nobody will run (their leases run out)."""
-        delay = 0.25
+        """One protocol call on `session`. Connection errors and 502/503/504
+        raise TransportError (carrying the answer's Retry-After, if any); other
+        answers are not retried (a 4xx is an answer, a 500 a bug). With
+        `attempts` > 1 the retryable failures are retried here with jittered
+        backoff, except `quick` calls (heartbeats: one try with a read timeout
+        of one heartbeat interval; the runtime beats again next round) and
+        `once` calls (claims: not idempotent, a claim whose answer was lost
+        leased jobs nobody will run until their leases run out)."""
         attempts = 1 if (quick or once) else self.attempts
+        backoff = Backoff(base=0.25, cap=5.0, rand=self.rand)
         read = self.beat_timeout if quick else self.read_timeout + extra_read
         for attempt in range(1, attempts + 1):
             try:
-                response = self.session.request(
+                response = session.request(
                     method, self.base + path, json=body, timeout=(self.connect_timeout, read), verify=self.verify
                 )
             except requests.RequestException as exc:
@@ -130,14 +187,15 @@ class HttpTransport:
                 if response.status_code not in RETRY_STATUSES:
                     raise InvalidRequest(f"{method} {path}: HTTP {response.status_code} {code}: {message}")
                 failure = TransportError(f"{method} {path}: HTTP {response.status_code} {code}: {message}")
+                failure.retry_after = retry_after_of(response.headers.get("Retry-After"))
             if attempt == attempts:
                 raise failure
-            time.sleep(delay * random.uniform(0.5, 1.5))  # jitter: no lockstep between workers
-            delay = min(delay * 2, 5.0)
+            self.sleep(backoff.failed(failure.retry_after))
         raise AssertionError("unreachable")
 
     def register(self, spec: WorkerSpec) -> Registration:
         answer = self._call(
+            self.calls,
             "POST",
             "workers/register",
             {
@@ -161,6 +219,7 @@ class HttpTransport:
 
     def worker_heartbeat(self, *, session: str, draining: bool, ready: bool) -> bool:
         answer = self._call(
+            self.beats,
             "POST",
             f"workers/{self.worker_id}/heartbeat",
             {"session": session, "draining": draining, "ready": ready},
@@ -170,6 +229,7 @@ class HttpTransport:
 
     def claim(self, *, session: str, max_jobs: int, wait: float) -> list[Claim]:
         answer = self._call(
+            self.claims,
             "POST",
             "claims",
             {"worker_id": self.worker_id, "session": session, "max_jobs": max_jobs, "wait": wait},
@@ -187,11 +247,12 @@ class HttpTransport:
         return claims
 
     def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat:
-        answer = self._call("POST", f"attempts/{attempt_id}/heartbeat", {"token": token}, quick=True)
+        answer = self._call(self.beats, "POST", f"attempts/{attempt_id}/heartbeat", {"token": token}, quick=True)
         return Heartbeat(lease_expires_at=parse_time(answer["lease_expires_at"]), cancel=bool(answer["cancel"]))
 
     def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str:
         answer = self._call(
+            self.calls,
             "POST",
             f"attempts/{attempt_id}/finish",
             {"token": token, "outcome": outcome, "summary": summary, "error": error},
@@ -199,7 +260,7 @@ class HttpTransport:
         return answer["job_state"]
 
     def status(self) -> dict:
-        return self._call("GET", "status")
+        return self._call(self.calls, "GET", "status")
 
     def close(self) -> None:
-        """Job threads call this when they end; the session stays for the others."""
+        """Job threads call this when they end; the sessions stay for the others."""

@@ -2,12 +2,19 @@
 
 Threads:
 * the claim loop (`run`): claims up to free capacity (long-polling through the
-  transport), starts one thread per job, and ends the loop once drained;
+  transport), starts one thread per job, and ends the loop once drained. A
+  claim that fails for want of the control plane (unreachable, a 503) backs
+  the loop off (`claim_backoff`: capped exponential backoff with full jitter,
+  never sooner than a 503's Retry-After, reset by the next success); this is
+  the claims' only retry layer, since the transport sends a claim once;
 * the heartbeat loop: worker heartbeats (which carry the operator's drain
   request back) and one heartbeat per active attempt every
   `heartbeat_interval`; a `cancel` answer, a stale attempt or a lease that
   must have passed stops that job's runner;
 * a thread per job, running the executor and then sending the finish.
+
+Heartbeats do not back off: one try each, and the next round beats again at
+the heartbeat cadence, because leases depend on them.
 
 Self-fencing: the worker never trusts its attempt past the lease. It measures,
 on its own monotonic clock, from the *sending* time of the last heartbeat the
@@ -26,13 +33,15 @@ import time
 from jobqueue.exceptions import QueueError
 from jobqueue.types import Claim
 
+from .backoff import Backoff
 from .executor import Executor, Outcome
 from .transport import Registration, Transport, TransportError, WorkerSpec
 from .verdicts import FATAL, Verdict, classify
 
 log = logging.getLogger("apiary.worker")
 
-
+CLAIM_BACKOFF = {"base": 0.5, "cap": 20.0}  # seconds: the claim loop's, while the control plane is unavailable
+FINISH_BACKOFF = {"base": 0.2, "cap": 5.0}  # seconds: a job thread's, resending its finish
 
 
 @dataclasses.dataclass
@@ -58,6 +67,9 @@ class WorkerRuntime:
         fence_margin: float | None = None,
         outbox=None,
         monotonic=time.monotonic,
+        sleep=time.sleep,
+        wait=None,
+        rand=random.random,
         exit_on_drain: bool = True,
     ):
         self.transport = transport
@@ -68,6 +80,13 @@ class WorkerRuntime:
         self.fence_margin = fence_margin
         self.outbox = outbox  # workers.localdb.LocalDB for remote workers: finishes survive restarts
         self.monotonic = monotonic  # the worker's own clock for self-fencing; tests pass a fake one
+        self.wake = threading.Event()  # set on drain and stop: ends the claim loop's backoff wait early
+        self.sleep = sleep  # a job thread's wait between finish attempts; tests pass a fake one
+        # The claim loop's wait while backing off, which a drain or a stop ends early; tests pass a fake one.
+        self.wait = wait or self.wake.wait
+        self.rand = rand  # uniform in [0, 1): every jitter; tests pass a fixed one
+        self.claim_backoff = Backoff(**CLAIM_BACKOFF, rand=rand)
+        self.claim_delay = 0.0  # what the claim loop waits before its next call: > 0 only while backing off
         # A remote worker exits once drained; the embedded one only pauses while
         # an operator's drain stands, and resumes when it is lifted.
         self.exit_on_drain = exit_on_drain
@@ -143,6 +162,7 @@ class WorkerRuntime:
         elif not requested and self.paused_by_operator and not self.shutting_down:
             self.paused_by_operator = False
             self.draining.clear()
+            self.wake.clear()
             log.info("worker %s: drain lifted by an operator; claiming again", self.spec.worker_id)
             self._call(self._send_worker_heartbeat)  # tell the control plane at once: it refuses claims while draining
 
@@ -150,6 +170,7 @@ class WorkerRuntime:
         if not self.draining.is_set():
             log.info("worker %s draining (%s): no new claims; %d active job(s) will finish", self.spec.worker_id, why, len(self.active))
             self.draining.set()
+            self.wake.set()
 
     def cancel_all(self, why: str = "worker stopping") -> None:
         """A second signal: stop every runner; the jobs finish as `cancelled`."""
@@ -182,12 +203,15 @@ class WorkerRuntime:
                     continue
                 try:
                     claimed = self.claim_once(wait=self.claim_wait)
-                except Exception:  # an answer we did not expect: keep the worker (and its runners) alive
-                    log.exception("worker %s: claim failed", self.spec.worker_id)
+                except Exception as exc:  # an answer we did not expect: keep the worker (and its runners) alive
+                    delay = self._claim_failed(exc)
+                    log.exception("worker %s: claim failed; claiming again in %.2fs", self.spec.worker_id, delay)
                     claimed = 0
-                    time.sleep(1.0)
-                if not claimed:
-                    time.sleep(0.05 + random.uniform(0, 0.05))  # no lockstep between workers
+                if self.claim_delay > 0:  # backing off: wait the delay the log line named, once
+                    delay, self.claim_delay = self.claim_delay, 0.0
+                    self.wait(delay)
+                elif not claimed:
+                    time.sleep(0.05 + self.rand() * 0.05)  # no lockstep between workers
         finally:
             self.stopped.set()
             beat.join(timeout=5)
@@ -209,15 +233,22 @@ class WorkerRuntime:
         return self.monotonic() - self.last_contact < self.registration.lease_duration / 2
 
     def claim_once(self, *, wait: float = 0.0) -> int:
-        """Claim up to free capacity; returns how many jobs were started."""
+        """Claim up to free capacity; returns how many jobs were started.
+
+        A call that fails for want of the control plane (a claim, or the worker
+        heartbeat that probes a control plane not reached for half a lease)
+        counts in `claim_backoff` and sets `claim_delay`, which `run` waits
+        out before it calls this again; a success resets both."""
         free = self.spec.capacity - len(self.active)
         if free <= 0 or self.draining.is_set() or self.stopped.is_set():
             return 0
         if not self.reachable():
-            self._call(lambda: self._send_worker_heartbeat())  # try to reach it; claim next time
+            self._claim_call("reaching the control plane", self._send_worker_heartbeat)  # claim next time
             return 0
         sent = self.monotonic()
-        claims = self._call(lambda: self.transport.claim(session=self.session, max_jobs=free, wait=wait)) or []
+        claims = self._claim_call(
+            "claim", lambda: self.transport.claim(session=self.session, max_jobs=free, wait=wait)
+        ) or []
         # The lease started somewhere between sending and receiving. After a
         # long poll that could be long ago, so such a claim is confirmed with a
         # heartbeat (a fresh, known starting point) before its runner starts.
@@ -239,6 +270,35 @@ class WorkerRuntime:
                 self.active[claim.attempt_id] = job
             job.thread.start()
         return len(claims)
+
+    def _claim_call(self, what: str, fn):
+        """A call of the claim loop. Success resets the backoff; a transient
+        failure is logged with the true wait before the next one and answered
+        None; a superseded session or a refused token is fatal."""
+        try:
+            result = fn()
+        except QueueError as exc:
+            verdict = classify(exc)
+            if verdict in FATAL:
+                self._stop_for(verdict, exc)
+                return None
+            if verdict is not Verdict.RETRY:
+                raise
+            delay = self._claim_failed(exc)
+            log.warning(
+                "worker %s: %s failed (%s); claiming again in %.2fs (%d failure(s) in a row)",
+                self.spec.worker_id, what, exc, delay, self.claim_backoff.failures,
+            )
+            return None
+        self.claim_backoff.succeeded()
+        self.claim_delay = 0.0
+        self.last_contact = self.monotonic()
+        return result
+
+    def _claim_failed(self, exc: Exception) -> float:
+        """Back the claim loop off after `exc`; the seconds until it claims again."""
+        self.claim_delay = self.claim_backoff.failed(getattr(exc, "retry_after", None))
+        return self.claim_delay
 
     def _confirm(self, claim: Claim) -> float | None:
         """Heartbeat a just-claimed attempt; the sending time when acknowledged,
@@ -368,6 +428,7 @@ class WorkerRuntime:
         for job in jobs:
             self._discard(job, why)
         self.stopped.set()
+        self.wake.set()
 
     def _call(self, fn):
         """A control-plane call from the loops: transient failures are logged and
@@ -440,7 +501,7 @@ class WorkerRuntime:
             job.outbox_id = self.outbox.record_finish(
                 claim=claim, outcome=outcome.outcome, summary=outcome.summary, error=outcome.error
             )
-        delay = 0.2
+        backoff = Backoff(**FINISH_BACKOFF, rand=self.rand)
         while True:
             try:
                 state = self.transport.finish(
@@ -455,9 +516,9 @@ class WorkerRuntime:
                 if verdict is Verdict.RETRY:
                     if job.discard:  # self-fenced while retrying: the outbox resends after a restart
                         return
-                    log.warning("finish of attempt %s failed (%s); retrying in %.1fs", claim.attempt_id, exc, delay)
-                    time.sleep(delay)
-                    delay = min(delay * 2, 5.0) * random.uniform(0.8, 1.2)
+                    delay = backoff.failed(getattr(exc, "retry_after", None))
+                    log.warning("finish of attempt %s failed (%s); retrying in %.2fs", claim.attempt_id, exc, delay)
+                    self.sleep(delay)
                     continue
                 if verdict in FATAL:
                     self._stop_for(verdict, exc)

@@ -24,6 +24,7 @@ class TransportError(QueueError):
     """The control plane could not be reached (connection refused, timeout, 5xx); retryable."""
 
     code = "transport_error"
+    retry_after: float | None = None  # seconds the control plane asked for (a 503's Retry-After)
 
 
 class Unauthorized(QueueError):

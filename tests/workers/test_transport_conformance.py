@@ -228,11 +228,12 @@ def hang_up(transport: HttpTransport) -> None:
     """Close the transport's keep-alive connections now: urllib3 2.8's
     PoolManager.clear() (what Session.close() calls) leaves closing the
     pools' sockets to garbage collection."""
-    for adapter in transport.session.adapters.values():
-        pools = adapter.poolmanager.pools
-        for key in pools.keys():  # noqa: SIM118 -- RecentlyUsedContainer cannot be iterated itself
-            pools[key].close()
-    transport.session.close()
+    for session in transport.sessions:
+        for adapter in session.adapters.values():
+            pools = adapter.poolmanager.pools
+            for key in pools.keys():  # noqa: SIM118 -- RecentlyUsedContainer cannot be iterated itself
+                pools[key].close()
+        session.close()
 
 
 def tick(runtime: WorkerRuntime, seconds: float = BEAT) -> None:

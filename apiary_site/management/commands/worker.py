@@ -7,6 +7,7 @@ import threading
 from django.core.management.base import BaseCommand, CommandError
 
 from jobqueue.types import WORKER_ID_HINT, WORKER_ID_RE
+from workers.backoff import Backoff
 from workers.http import HttpTransport
 from workers.localdb import LocalDB
 from workers.pgroups import ProcessGroups
@@ -62,7 +63,11 @@ class Command(BaseCommand):
             capacity=options["capacity"],
         )
         transport = HttpTransport(
-            base_url=options["control_plane"], token=token, worker_id=worker_id, ca_cert=options["ca_cert"]
+            base_url=options["control_plane"],
+            token=token,
+            worker_id=worker_id,
+            ca_cert=options["ca_cert"],
+            capacity=spec.capacity,  # the pool its job threads' finishes share
         )
         runtime = WorkerRuntime(
             transport=transport,
@@ -91,15 +96,16 @@ class Command(BaseCommand):
         if result.get("code", 1):
             raise SystemExit(result.get("code", 1))
 
-    def _start(self, runtime: WorkerRuntime, signals: Signals) -> None:
-        """Register, waiting out a control plane that is not up yet (a signal meanwhile exits 0)."""
-        delay = 0.5
+    def _start(self, runtime: WorkerRuntime, signals: Signals, backoff: Backoff | None = None) -> None:
+        """Register, waiting out a control plane that is not up yet (a signal meanwhile exits 0).
+        The only retry layer of registration: the transport sends each try once."""
+        backoff = backoff or Backoff(base=0.5, cap=10.0)
         while True:
             try:
                 runtime.start()
                 return
             except TransportError as exc:
-                log.warning("control plane not reachable (%s); retrying in %.1fs", exc, delay)
+                delay = backoff.failed(exc.retry_after)
+                log.warning("control plane not reachable (%s); retrying in %.2fs", exc, delay)
                 if signals.received.wait(delay):
                     raise SystemExit(0) from exc
-                delay = min(delay * 2, 10.0)
