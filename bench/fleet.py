@@ -67,8 +67,9 @@ Columns (rows of the table; with --repeat, the median of the runs):
   the `apiary run` process tree from the start of the ramp to the end of the
   run, per 1,000 requests the simulator sent in that time. `peak RSS` is the
   largest sum of RSS over that tree, sampled every 2 s (shared pages of
-  forked processes count in each). `PostgreSQL server CPU`: the same for the
-  cluster's processes.
+  forked processes count in each). `PostgreSQL server CPU`: the same CPU
+  figure for the cluster's processes (their summed RSS is in --json only:
+  shared_buffers counts once per backend there).
 * `quiet window`: in the last `--quiet-window` seconds of the steady state,
   per second: `claim requests` the simulator sent (each a long-poll: this is
   the fleet's demand, not the control plane's database work),
@@ -918,8 +919,8 @@ ROWS = [
     ),
     ("control plane peak RSS MiB (sum over tree)", lambda m: f"{m['cp_peak_rss_mib']:,.0f}"),
     (
-        "PostgreSQL server CPU s / 1k requests; peak RSS MiB",
-        lambda m: f"{m['pg_cpu_per_1k']:.2f}; {m['pg_peak_rss_mib']:,.0f}" if m["pg_cpu_per_1k"] is not None else "—",
+        "PostgreSQL server CPU s / 1k requests",
+        lambda m: f"{m['pg_cpu_per_1k']:.2f}" if m["pg_cpu_per_1k"] is not None else "—",
     ),
     ("quiet window: claim requests/s sent", lambda m: f"{m['quiet_claims_per_s']:.1f}"),
     (
