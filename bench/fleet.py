@@ -58,8 +58,15 @@ Columns (rows of the table; with --repeat, the median of the runs):
 * `stale answers to live workers`: 409 `stale_attempt` on an attempt
   heartbeat or finish. Every simulated worker is alive, so any is a lease the
   control plane let run out under a working worker; must be 0.
-  `self-fenced`: jobs a worker dropped because no attempt heartbeat was
-  acknowledged within a lease. `session_superseded`: 409 of that code.
+  `leases expired under live workers`: attempts in state `expired` in the
+  database at the end (counted by the helper); every simulated worker is
+  alive and registers once, so each is a lease lost to the control plane's
+  slowness; must be 0. A worker that self-fences stops beating, so its lost
+  lease shows here and not as a stale answer.
+  `self-fenced`: jobs a worker dropped, as workers/runtime.py does, because
+  no attempt heartbeat was acknowledged within the lease less a margin
+  (min(2 s, 10 %)); a failed attempt heartbeat is retried after
+  min(1 s, heartbeat/2), as the real worker does. `session_superseded`: 409 of that code.
 * `other 4xx`, `5xx`: other answers by status. `timeouts`: calls that got no
   complete answer within their timeout (connection dropped and reopened).
   `transport errors`: refused / reset / malformed connections.
@@ -312,6 +319,9 @@ for line in sys.stdin:
                     cursor.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")
                     value = cursor.fetchone()[0]
             answer({"tag": tag, "xact": value, "t": time.monotonic()})
+        elif command == "EXPIRED":
+            from jobqueue.models import Attempt
+            answer({"tag": tag, "expired": Attempt.objects.filter(state="expired").count()})
     except Exception as exc:
         answer({"tag": tag, "error": repr(exc)})
 """
@@ -572,6 +582,11 @@ class SimWorker:
         self.lease = args.lease
         self.rng = random.Random(n)
 
+    @property
+    def fence_after(self) -> float:
+        """As workers/runtime.py, less the step's grace (no step runs here): lease less a margin."""
+        return self.lease - min(2.0, self.lease * 0.1)
+
     def close(self) -> None:
         self.quick.close()
         self.poll.close()
@@ -651,7 +666,7 @@ class SimWorker:
                         await asyncio.sleep(self.rng.uniform(0, min(5.0, self.hb)))
                     await self.finish(job)
                     return
-                if now >= acked + self.lease:
+                if now >= acked + self.fence_after:
                     fleet.counts["self_fenced"] += 1
                     return
                 if now >= next_beat:
@@ -660,12 +675,13 @@ class SimWorker:
                     status, document = await fleet.call(
                         self.quick, "attempt_heartbeat", path, {"token": job["token"]}, max(1.0, self.hb)
                     )
-                    next_beat = sent + self.hb
                     if status == 200:
-                        acked = sent
+                        acked, next_beat = sent, sent + self.hb
                     elif status == 409:
                         return  # stale: counted from the outcome; the job is gone
-                wake = min(next_beat, until, acked + self.lease) - time.monotonic()
+                    else:  # as workers/runtime.py: a failed beat is retried soon
+                        next_beat = time.monotonic() + min(1.0, self.hb / 2)
+                wake = min(next_beat, until, acked + self.fence_after) - time.monotonic()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(fleet.finishing.wait(), max(0.0, wake))
         finally:
@@ -734,6 +750,10 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
         while fleet.held and time.monotonic() < drain_until:
             await asyncio.sleep(0.2)
         t_done = time.monotonic()
+        try:
+            expired = (await helper.call("EXPIRED", "expired", timeout=120))["expired"]
+        except (TimeoutError, RuntimeError):
+            expired = None
         cpu1, sim1, helper1, pg1 = tree_usage(cp.proc.pid)[0], self_cpu(), helper.cpu(), tree_usage(pg_pid)[0]
     finally:
         for task in [*tasks, *probes]:
@@ -759,6 +779,7 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
         "wall_s": t_done - t_ramp,
         "claimed": fleet.counts["claimed"],
         "self_fenced": fleet.counts["self_fenced"],
+        "expired": expired,
         "probes_sent": fleet.probes_sent,
         "probes_picked": len(fleet.pickups),
         "pickup_ms": [round(x * 1000, 2) for x in fleet.pickups],
@@ -878,7 +899,7 @@ def scalars(r: dict) -> dict[str, float | None]:
         out[f"pickup_p{p}"] = pct(r["pickup_ms"], p)
     out["pickup_max"] = max(r["pickup_ms"]) if r["pickup_ms"] else None
     for key in (
-        "registered", "busy_at_steady", "claims_with_job", "probes_picked", "probes_sent", "stale_live", "self_fenced", "superseded",
+        "registered", "busy_at_steady", "claims_with_job", "probes_picked", "probes_sent", "stale_live", "expired", "self_fenced", "superseded",
         "other_4xx", "5xx", "timeouts", "transport", "requests", "cp_cpu_s", "cp_cpu_per_1k", "cp_peak_rss_mib",
         "pg_cpu_per_1k", "pg_peak_rss_mib", "sim_cpu_s", "helper_cpu_s", "wall_s", "quiet_claims_per_s",
         "quiet_worker_hb_per_s", "quiet_attempt_hb_per_s", "quiet_xact_per_s", "processes",
@@ -909,6 +930,10 @@ ROWS = [
         f" ({m['probes_picked']:.0f}/{m['probes_sent']:.0f})",
     ),
     ("**stale answers to live workers** (must be 0)", lambda m: f"**{m['stale_live']:,.0f}**"),
+    (
+        "**leases expired under live workers** (must be 0)",
+        lambda m: f"**{m['expired']:,.0f}**" if m["expired"] is not None else "—",
+    ),
     ("self-fenced jobs / session_superseded", lambda m: f"{m['self_fenced']:,.0f} / {m['superseded']:,.0f}"),
     ("other 4xx / 5xx", lambda m: f"{m['other_4xx']:,.0f} / {m['5xx']:,.0f}"),
     ("timeouts / transport errors", lambda m: f"{m['timeouts']:,.0f} / {m['transport']:,.0f}"),
