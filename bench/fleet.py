@@ -62,7 +62,8 @@ Columns (rows of the table; with --repeat, the median of the runs):
   database at the end (counted by the helper); every simulated worker is
   alive and registers once, so each is a lease lost to the control plane's
   slowness; must be 0. A worker that self-fences stops beating, so its lost
-  lease shows here and not as a stale answer.
+  lease shows here and not as a stale answer; so does the lease of a claim
+  the server answered after the worker's timeout (it never saw the token).
   `self-fenced`: jobs a worker dropped, as workers/runtime.py does, because
   no attempt heartbeat was acknowledged within the lease less a margin
   (min(2 s, 10 %)); a failed attempt heartbeat is retried after
@@ -89,6 +90,8 @@ Columns (rows of the table; with --repeat, the median of the runs):
 * `simulator CPU`: CPU seconds of this process (the simulated fleet) and of
   the enqueue helper over the run, and as a share of one core: the simulator
   shares the machine's cores with the control plane, so it should stay small.
+  `event-loop lag`: how late a 100 ms sleep of the simulator wakes; every
+  latency above includes up to that much of the simulator's own delay.
 """
 
 from __future__ import annotations
@@ -705,6 +708,23 @@ async def sample_rss(cp: ControlPlane, pg_pid: int | None, peaks: dict, stop: as
             await asyncio.wait_for(stop.wait(), 2.0)
 
 
+async def loop_lag(lags: list[float], stop: asyncio.Event) -> None:
+    """How late the event loop wakes a 100 ms sleep: the simulator's own delay in every latency."""
+    while not stop.is_set():
+        before = time.monotonic()
+        await asyncio.sleep(0.1)
+        lags.append(time.monotonic() - before - 0.1)
+
+
+async def xact(helper: Helper, tag: str) -> dict:
+    """pg_stat_database.xact_commit now ({"xact": None} on SQLite, or when the helper cannot answer)."""
+    try:
+        return await helper.call("XACT", tag, timeout=30)
+    except (TimeoutError, RuntimeError) as exc:
+        log(f"xact_commit sample {tag} failed: {exc!r}")
+        return {"xact": None, "t": time.monotonic()}
+
+
 async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
     helper = Helper(cp)
     await helper.start()
@@ -715,6 +735,8 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
     stop_sampling = asyncio.Event()
     peaks: dict[str, int] = {}
     sampler = asyncio.create_task(sample_rss(cp, pg_pid, peaks, stop_sampling))
+    lags: list[float] = []
+    lagger = asyncio.create_task(loop_lag(lags, stop_sampling))
     try:
         log(f"enqueueing {args.busy} jobs for the busy workers")
         for n in range(args.busy):
@@ -740,9 +762,9 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
             await asyncio.sleep(max(0.0, t_steady + probing * (k + 0.5) / args.pickup_probes - time.monotonic()))
             probes.add(asyncio.create_task(fleet.probe(k)))
         await asyncio.sleep(max(0.0, t_quiet - time.monotonic()))
-        x0 = await helper.call("XACT", "x0")
+        x0 = await xact(helper, "x0")
         await asyncio.sleep(max(0.0, t_steady + args.duration - time.monotonic()))
-        x1 = await helper.call("XACT", "x1")
+        x1 = await xact(helper, "x1")
         t_end = time.monotonic()
         log(f"steady state over ({fleet.held} busy); the busy workers finish")
         fleet.finishing.set()
@@ -763,6 +785,7 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
             worker.close()
         stop_sampling.set()
         await sampler
+        await lagger
         await helper.stop()
 
     requests = sum(1 for kind in KINDS for sent in fleet.sent[kind] if t_ramp <= sent <= t_done)
@@ -789,13 +812,17 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
         "pg_cpu_per_1k": (pg1 - pg0) / requests * 1000 if pg_pid and requests else None,
         "pg_peak_rss_mib": peaks.get("pg", 0) / 2**20 if pg_pid else None,
         "sim_cpu_s": sim1 - sim0,
+        "loop_lag_p99_ms": pct(lags, 99) * 1000 if lags else None,
+        "loop_lag_max_ms": max(lags) * 1000 if lags else None,
         "helper_cpu_s": helper1 - helper0,
         "quiet_s": window[1] - window[0],
         "phases": {"steady": t_steady - t_ramp, "quiet": t_quiet - t_ramp, "end": t_end - t_ramp, "done": t_done - t_ramp},
         "quiet_claims_per_s": rate("claim"),
         "quiet_worker_hb_per_s": rate("worker_heartbeat"),
         "quiet_attempt_hb_per_s": rate("attempt_heartbeat"),
-        "quiet_xact_per_s": (x1["xact"] - x0["xact"]) / (x1["t"] - x0["t"]) if x0["xact"] is not None else None,
+        "quiet_xact_per_s": (x1["xact"] - x0["xact"]) / (x1["t"] - x0["t"])
+        if x0["xact"] is not None and x1["xact"] is not None
+        else None,
         "calls": {},
     }
     outcomes: dict[str, int] = {}
@@ -901,7 +928,7 @@ def scalars(r: dict) -> dict[str, float | None]:
     for key in (
         "registered", "busy_at_steady", "claims_with_job", "probes_picked", "probes_sent", "stale_live", "expired", "self_fenced", "superseded",
         "other_4xx", "5xx", "timeouts", "transport", "requests", "cp_cpu_s", "cp_cpu_per_1k", "cp_peak_rss_mib",
-        "pg_cpu_per_1k", "pg_peak_rss_mib", "sim_cpu_s", "helper_cpu_s", "wall_s", "quiet_claims_per_s",
+        "pg_cpu_per_1k", "pg_peak_rss_mib", "sim_cpu_s", "helper_cpu_s", "loop_lag_p99_ms", "loop_lag_max_ms", "wall_s", "quiet_claims_per_s",
         "quiet_worker_hb_per_s", "quiet_attempt_hb_per_s", "quiet_xact_per_s", "processes",
     ):
         out[key] = r.get(key)
@@ -959,6 +986,10 @@ ROWS = [
     (
         "simulator CPU s: fleet + enqueue helper (% of a core)",
         lambda m: f"{m['sim_cpu_s']:.1f} + {m['helper_cpu_s']:.1f} ({(m['sim_cpu_s'] + m['helper_cpu_s']) / m['wall_s']:.0%})",
+    ),
+    (
+        "simulator event-loop lag ms p99 / max",
+        lambda m: f"{fmt_ms(m['loop_lag_p99_ms'])} / {fmt_ms(m['loop_lag_max_ms'])}",
     ),
 ]
 
@@ -1045,7 +1076,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=300, help="steady-state seconds (after the ramp)")
     parser.add_argument("--ramp", type=float, default=30, help="seconds over which the workers start")
     parser.add_argument("--wait", type=float, default=10, help="long-poll `wait` of every claim")
-    parser.add_argument("--hold", type=float, default=None, help="seconds a worker holds a job (default: the run)")
+    parser.add_argument(
+        "--hold", type=float, default=None,
+        help="seconds a worker holds a job (default: the run); nothing replaces a finished job, so busy workers dwindle",
+    )
     parser.add_argument("--lease", type=float, default=30, help="settings.queue.lease_duration, s")
     parser.add_argument("--heartbeat", type=float, default=10, help="settings.queue.heartbeat_interval, s")
     parser.add_argument("--worker-timeout", type=float, default=None, help="default 3 × heartbeat")
