@@ -701,19 +701,26 @@ class SimWorker:
 
 async def sample_rss(cp: ControlPlane, pg_pid: int | None, peaks: dict, stop: asyncio.Event) -> None:
     while not stop.is_set():
+        before = time.monotonic()
         peaks["cp"] = max(peaks.get("cp", 0), tree_usage(cp.proc.pid)[1])
         if pg_pid:
             peaks["pg"] = max(peaks.get("pg", 0), tree_usage(pg_pid)[1])
+        peaks["sample_s"] = max(peaks.get("sample_s", 0), time.monotonic() - before)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 2.0)
 
 
-async def loop_lag(lags: list[float], stop: asyncio.Event) -> None:
-    """How late the event loop wakes a 100 ms sleep: the simulator's own delay in every latency."""
+async def loop_lag(lags: list[float], stalls: list[tuple[float, float]], stop: asyncio.Event) -> None:
+    """How late the event loop wakes a 100 ms sleep: the simulator's own delay in every latency.
+    Stalls over 0.5 s are kept with their time, to tell the simulator's from the machine's."""
     while not stop.is_set():
         before = time.monotonic()
         await asyncio.sleep(0.1)
-        lags.append(time.monotonic() - before - 0.1)
+        lag = time.monotonic() - before - 0.1
+        lags.append(lag)
+        if lag > 0.5:
+            stalls.append((before, lag))
+            log(f"simulator event loop stalled {lag:.2f} s (process CPU so far {self_cpu():.1f} s)")
 
 
 async def xact(helper: Helper, tag: str) -> dict:
@@ -736,7 +743,8 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
     peaks: dict[str, int] = {}
     sampler = asyncio.create_task(sample_rss(cp, pg_pid, peaks, stop_sampling))
     lags: list[float] = []
-    lagger = asyncio.create_task(loop_lag(lags, stop_sampling))
+    stalls: list[tuple[float, float]] = []
+    lagger = asyncio.create_task(loop_lag(lags, stalls, stop_sampling))
     try:
         log(f"enqueueing {args.busy} jobs for the busy workers")
         for n in range(args.busy):
@@ -764,8 +772,8 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
         await asyncio.sleep(max(0.0, t_quiet - time.monotonic()))
         x0 = await xact(helper, "x0")
         await asyncio.sleep(max(0.0, t_steady + args.duration - time.monotonic()))
-        x1 = await xact(helper, "x1")
         t_end = time.monotonic()
+        x1 = await xact(helper, "x1")
         log(f"steady state over ({fleet.held} busy); the busy workers finish")
         fleet.finishing.set()
         drain_until = time.monotonic() + 30
@@ -809,11 +817,13 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
         "cp_cpu_s": cpu1 - cpu0,
         "cp_cpu_per_1k": (cpu1 - cpu0) / requests * 1000 if requests else None,
         "cp_peak_rss_mib": peaks.get("cp", 0) / 2**20,
+        "rss_sample_max_s": peaks.get("sample_s"),
         "pg_cpu_per_1k": (pg1 - pg0) / requests * 1000 if pg_pid and requests else None,
         "pg_peak_rss_mib": peaks.get("pg", 0) / 2**20 if pg_pid else None,
         "sim_cpu_s": sim1 - sim0,
         "loop_lag_p99_ms": pct(lags, 99) * 1000 if lags else None,
         "loop_lag_max_ms": max(lags) * 1000 if lags else None,
+        "loop_stalls": [[round(at - t_ramp, 1), round(lag, 2)] for at, lag in stalls],
         "helper_cpu_s": helper1 - helper0,
         "quiet_s": window[1] - window[0],
         "phases": {"steady": t_steady - t_ramp, "quiet": t_quiet - t_ramp, "end": t_end - t_ramp, "done": t_done - t_ramp},
