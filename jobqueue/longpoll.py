@@ -15,6 +15,7 @@ claim endpoint) and runs each claim round in a small thread pool.
 """
 
 import asyncio
+import logging
 import time
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,8 @@ from django.db import close_old_connections
 from jobqueue import services
 from jobqueue.types import Claim
 from jobqueue.wakeup import Waiter, notifier, watch
+
+log = logging.getLogger("apiary.queue.claims")
 
 CLAIM_THREADS = 4  # claim transactions of waiting long-polls in flight at once, per process
 
@@ -47,6 +50,7 @@ def _steps(*, worker_id: str, session: str, max_jobs: int, wait: float) -> Gener
             if shape is None or waiter is not None:
                 mark = notifier.mark()
                 result = yield "claim", arguments
+                log.debug("claim round: worker %s, %d job(s)", worker_id, len(result.claims))
                 if result.claims:
                     if waiter is not None and waiter.by_fallback:
                         notifier.pass_turn()  # more may be left that no wake announced

@@ -45,7 +45,7 @@ from .views import DEFER_CLAIM, PROTOCOL_VERSION, Deferred
 
 PREFIX = "/api/worker"
 CLAIMS = "/api/worker/v1/claims"
-API_THREADS = 32  # protocol calls other than waiting claims in flight at once, per process
+API_THREADS = 16  # protocol calls other than waiting claims in flight at once, per process
 
 _api_pool = ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="apiary-api")
 _release = close_old_connections  # after each call (tests keep their one connection open instead)
