@@ -24,18 +24,21 @@ log = logging.getLogger("apiary.queue")
 POLL = 0.01  # SQLite: seconds between data_version checks (a read of shared memory)
 RETRY = 1.0  # seconds before reopening a broken watcher connection
 
-_started: dict[int, threading.Thread] = {}  # pid → watcher (a forked child starts its own)
+_stopping = threading.Event()
+_started: dict[int, threading.Event] = {}  # pid → set once its watcher listens (a forked child starts its own)
 _start_lock = threading.Lock()
 
 
-def ensure_running() -> None:
-    """Start this process's watcher unless it runs already."""
+def ensure_running() -> threading.Event:
+    """Start this process's watcher unless it runs already; the event is set
+    once it hears other processes' wakes."""
     pid = os.getpid()
     if pid in _started:
-        return
+        return _started[pid]
     with _start_lock:
         if pid in _started:
-            return
+            return _started[pid]
+        listening = threading.Event()
         settings = dict(connection.settings_dict)
         if connection.vendor == "postgresql":
             params = connection.get_connection_params()
@@ -43,9 +46,23 @@ def ensure_running() -> None:
         else:
             params = settings["NAME"]
             target = _sqlite_loop
-        thread = threading.Thread(target=target, args=(params,), name="apiary-wakeup-watch", daemon=True)
+        thread = threading.Thread(target=target, args=(params, listening), name="apiary-wakeup-watch", daemon=True)
         thread.start()
-        _started[pid] = thread
+        _started[pid] = listening
+        return listening
+
+
+def stop(timeout: float = 5.0) -> None:
+    """Stop this process's watcher and close its connection (test teardown)."""
+    with _start_lock:
+        listening = _started.pop(os.getpid(), None)
+        if listening is None:
+            return
+        _stopping.set()
+    for thread in threading.enumerate():
+        if thread.name == "apiary-wakeup-watch":
+            thread.join(timeout)
+    _stopping.clear()
 
 
 def _deliver(message: str) -> None:
@@ -58,19 +75,22 @@ def _deliver(message: str) -> None:
         notifier.publish(wake)
 
 
-def _sqlite_loop(path: str) -> None:
+def _sqlite_loop(path: str, listening: threading.Event) -> None:
     if not path or path == ":memory:" or "mode=memory" in str(path):
         # No file other processes could write: only this process's own wakes exist.
-        while True:
+        listening.set()
+        while not _stopping.is_set():
             notifier.tick()
             time.sleep(POLL)
-    while True:
+        return
+    while not _stopping.is_set():
         try:
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5)
             try:
                 last_id = db.execute("SELECT COALESCE(MAX(id), 0) FROM queue_wakeup").fetchone()[0]
+                listening.set()
                 version = None
-                while True:
+                while not _stopping.is_set():
                     current = db.execute("PRAGMA data_version").fetchone()[0]
                     if current != version:
                         version = current
@@ -88,16 +108,17 @@ def _sqlite_loop(path: str) -> None:
             _pause()
 
 
-def _postgres_loop(params: dict) -> None:
+def _postgres_loop(params: dict, listening: threading.Event) -> None:
     import psycopg
 
     for name in ("cursor_factory", "context", "prepare_threshold"):
         params.pop(name, None)
-    while True:
+    while not _stopping.is_set():
         try:
             with psycopg.connect(**params, autocommit=True) as db:
                 db.execute(f"LISTEN {emit.CHANNEL}")
-                while True:
+                listening.set()
+                while not _stopping.is_set():
                     for note in db.notifies(timeout=0.05):
                         _deliver(note.payload)
                     notifier.tick()
@@ -108,6 +129,6 @@ def _postgres_loop(params: dict) -> None:
 
 def _pause() -> None:
     deadline = time.monotonic() + RETRY
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not _stopping.is_set():
         notifier.tick()
         time.sleep(POLL)
