@@ -34,6 +34,7 @@ import shlex
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -240,7 +241,7 @@ def run(args: argparse.Namespace, root: Path, database_url: str | None) -> dict:
             worker.poll()
 
         jobs = queue.rows("SELECT id, state FROM queue_job")
-        attempts = queue.rows("SELECT id, job_id, worker_id, state, finished_at FROM queue_attempt")
+        attempts = queue.rows("SELECT id, job_id, worker_id, state, claimed_at, finished_at FROM queue_attempt")
         by_id = {w.worker_id: w for w in workers}
 
         def alive_at_expiry(attempt: dict) -> bool:
@@ -249,7 +250,12 @@ def run(args: argparse.Namespace, root: Path, database_url: str | None) -> dict:
             return worker is not None and (worker.exited_at is None or (ended and ended < worker.exited_at))
 
         expired = [a for a in attempts if a["state"] == "expired"]
+        # Claim to acknowledged finish of the succeeded attempts: the step's own time plus what the
+        # claim's start and the finish waited for.
+        spans = sorted((utc(a["finished_at"]) - utc(a["claimed_at"])).total_seconds()
+                       for a in attempts if a["state"] == "succeeded")
         return {
+            "spans": spans,
             "jobs": len(jobs),
             "succeeded": sum(j["state"] == "succeeded" for j in jobs),
             "unfinished": sum(j["state"] not in TERMINAL for j in jobs),
@@ -276,6 +282,9 @@ def run(args: argparse.Namespace, root: Path, database_url: str | None) -> dict:
 
 
 def table(args: argparse.Namespace, result: dict, backend_note: str) -> str:
+    spans = result["spans"]
+    spans = (f"{spans[0]:.1f}s min, {statistics.median(spans):.1f}s median, {spans[-1]:.1f}s max" if spans
+             else "–")
     done = (f"all ended after {result['done_after']:.0f}s" if result["done_after"] is not None
             else f"{result['unfinished']} not ended after {result['ran_for']:.0f}s")
     rows = [
@@ -288,6 +297,7 @@ def table(args: argparse.Namespace, result: dict, backend_note: str) -> str:
          str(result["unanswered"])),
         ("workers that logged any of those", f"{result['workers_logging_trouble']} / {args.workers}"),
         ("attempts / jobs", f"{result['attempts']} / {result['jobs']}"),
+        (f"succeeded attempts, claim → finish (step {args.step_seconds:g}s)", spans),
         ("wall time from the drop", done),
         ("worker processes that exited", str(result["workers_exited"])),
     ]
