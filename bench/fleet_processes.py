@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 from tests import pgcluster  # noqa: E402 - after the path: bench/ runs as a script
 
 TERMINAL = ("succeeded", "failed", "cancelled")
-SELF_FENCED = re.compile(r"self-fenced")
+SELF_FENCED = re.compile(r"stopping the runner and discarding its result: .*self-fenced")  # once per attempt
 STALE = re.compile(r"stale")
 UNANSWERED = re.compile(r"heartbeat of attempt \d+ failed|control plane unavailable|claim failed")
 
@@ -291,7 +291,7 @@ def table(args: argparse.Namespace, result: dict, backend_note: str) -> str:
         ("jobs succeeded", f"{result['succeeded']} / {args.jobs}"),
         ("attempts expired while their worker process was alive", str(result["expired_alive"])),
         ("attempts expired (all)", str(result["expired"])),
-        ("worker-log lines: self-fenced", str(result["self_fenced"])),
+        ("worker-log lines: attempt self-fenced (stopping the runner)", str(result["self_fenced"])),
         ("worker-log lines: \"stale\"", str(result["stale"])),
         ("worker-log lines: unanswered call (heartbeat failed / unavailable / claim failed)",
          str(result["unanswered"])),

@@ -10,7 +10,8 @@ succeeds.
 
 The idle workers are threads of this test process speaking the real
 protocol over real sockets with `requests`, each registered under its own
-id in a pool that no job needs, so their claims always wait the full 30 s.
+id in a pool that no job needs and with no capabilities (no `runner:…`), so
+no job is ever theirs and their claims always wait the full 30 s.
 They register before the busy workers start and begin waiting once the held
 jobs run. Why 96, three times the old thread count: which listener process
 accepts a connection is the kernel's choice and was uneven (53/17 of 70
@@ -48,7 +49,7 @@ pytestmark = pytest.mark.processes
 IDLE_WORKERS = 96  # three times the 32 threads of the gthread listener (2 processes × 16)
 IDLE_WAIT = 30.0  # the protocol's longest long-poll
 BUSY_WORKERS = 3
-IDLE_POOL = "fleet-idle"  # no agent names this pool: an idle worker's claim always waits
+IDLE_POOL = "fleet-idle"  # no agent names this pool (and idle workers advertise no runner): claims wait
 BUSY_WORKFLOW = "alpha-hold"  # pool alpha: only the busy workers can take it
 WINDOW = 2 * LEASE  # how long every busy lease must be kept alive with the fleet waiting
 
