@@ -108,6 +108,7 @@ class Notifier:
         self.fallback = fallback
         self.monotonic = monotonic
         self._lock = threading.Lock()
+        self.arrived = threading.Event()  # set by add(): the watcher polls fast again
         self.reset()
 
     def reset(self) -> None:
@@ -152,6 +153,7 @@ class Notifier:
                     waiter.fire()
                     return
             bisect.insort(self._waiters, (waiter.seq, waiter), key=lambda item: item[0])
+        self.arrived.set()
 
     def remove(self, waiter: Waiter) -> None:
         with self._lock:

@@ -5,7 +5,9 @@ PostgreSQL: one connection of its own, `LISTEN apiary_wakeup`. SQLite:
 `PRAGMA data_version` on a connection of its own changes whenever another
 connection commits; only then does it read the new `queue_wakeup` rows.
 Either way the watcher holds no transaction open (autocommit), so it never
-pins an old snapshot or blocks a WAL checkpoint. A broken connection is
+pins an old snapshot or blocks a WAL checkpoint. With no claim waiting,
+SQLite is checked only four times a second (a waiter's arrival ends the
+nap): the rows stay, and the next read catches up. A broken connection is
 reopened after a pause; meanwhile the fallback keeps waiters re-checking.
 """
 
@@ -21,7 +23,8 @@ from . import emit, notifier
 
 log = logging.getLogger("apiary.queue")
 
-POLL = 0.01  # SQLite: seconds between data_version checks (a read of shared memory)
+POLL = 0.01  # SQLite: seconds between data_version checks while claims wait (a read of shared memory)
+IDLE_POLL = 0.25  # and while none waits: the rows stay, a later read catches up
 RETRY = 1.0  # seconds before reopening a broken watcher connection
 
 _stopping = threading.Event()
@@ -100,12 +103,20 @@ def _sqlite_loop(path: str, listening: threading.Event) -> None:
                             last_id = row_id
                             _deliver(message)
                     notifier.tick()
-                    time.sleep(POLL)
+                    _nap()
             finally:
                 db.close()
         except sqlite3.Error as exc:
             log.warning("wake-up watcher: %s; reopening in %.0fs", exc, RETRY)
             _pause()
+
+
+def _nap() -> None:
+    if notifier.waiting():
+        time.sleep(POLL)
+    else:  # nobody to wake: check rarely, until a waiter arrives
+        notifier.arrived.wait(IDLE_POLL)
+        notifier.arrived.clear()
 
 
 def _postgres_loop(params: dict, listening: threading.Event) -> None:
