@@ -40,7 +40,7 @@ class RequirementCache:
     so a set can appear *below* the highest id already seen. Ids skipped that
     way are remembered as gaps and asked for again on every call until they
     show up, or for GAP_SECONDS (a rolled-back insert leaves a gap for good).
-    Shared by the threads of a process (gthread listener, the daemon's worker):
+    Shared by the threads of a process (the listener's claim pool, the daemon's worker):
     the lock guards the state, never a query."""
 
     GAP_SECONDS = 300.0
