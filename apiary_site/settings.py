@@ -102,7 +102,8 @@ TEMPLATES = [
 # would be kept per request. There connections close after each request, and
 # PostgreSQL ones come from a pool (Django 5.1+, psycopg_pool) instead.
 ASGI = os.environ.get("APIARY_ASGI") == "1"
-PG_POOL = {"min_size": 2, "max_size": int(os.environ.get("APIARY_PG_POOL_SIZE", "20")), "timeout": 10}
+# 16 protocol threads + 4 claim threads per process (jobqueue.api.asgi, jobqueue.longpoll), and the admin.
+PG_POOL = {"min_size": 2, "max_size": int(os.environ.get("APIARY_PG_POOL_SIZE", "24")), "timeout": 10}
 
 
 def _postgres(url: str) -> dict:

@@ -20,6 +20,7 @@ import time
 from django.db import connection
 
 from . import emit, notifier
+from .notifier import Wake
 
 log = logging.getLogger("apiary.queue")
 
@@ -75,7 +76,10 @@ def _deliver(message: str) -> None:
         log.warning("wake-up watcher: ignored a malformed message")
         return
     if sender != emit.origin():
-        notifier.publish(wake)
+        try:
+            notifier.publish(wake)
+        except Exception:  # noqa: BLE001 - one bad wake must not stop the watcher
+            log.exception("wake-up watcher: could not deliver a wake")
 
 
 def _sqlite_loop(path: str, listening: threading.Event) -> None:
@@ -86,11 +90,14 @@ def _sqlite_loop(path: str, listening: threading.Event) -> None:
             notifier.tick()
             time.sleep(POLL)
         return
+    last_id = None  # kept across reopens: the rows written meanwhile are read, not skipped
     while not _stopping.is_set():
         try:
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5)
             try:
-                last_id = db.execute("SELECT COALESCE(MAX(id), 0) FROM queue_wakeup").fetchone()[0]
+                if last_id is None:
+                    last_id = db.execute("SELECT COALESCE(MAX(id), 0) FROM queue_wakeup").fetchone()[0]
+                _caught_up()
                 listening.set()
                 version = None
                 while not _stopping.is_set():
@@ -106,9 +113,15 @@ def _sqlite_loop(path: str, listening: threading.Event) -> None:
                     _nap()
             finally:
                 db.close()
-        except sqlite3.Error as exc:
+        except Exception as exc:  # noqa: BLE001 - the watcher must outlive anything; it reopens
             log.warning("wake-up watcher: %s; reopening in %.0fs", exc, RETRY)
             _pause()
+
+
+def _caught_up() -> None:
+    """Listening (again): wakes sent before now may have been missed, so
+    every waiting claim looks once more, and no quiet memo stays trusted."""
+    notifier.publish(Wake(requirements=None, count=notifier.waiting() or 1))
 
 
 def _nap() -> None:
@@ -128,12 +141,13 @@ def _postgres_loop(params: dict, listening: threading.Event) -> None:
         try:
             with psycopg.connect(**params, autocommit=True) as db:
                 db.execute(f"LISTEN {emit.CHANNEL}")
+                _caught_up()
                 listening.set()
                 while not _stopping.is_set():
                     for note in db.notifies(timeout=0.05):
                         _deliver(note.payload)
                     notifier.tick()
-        except psycopg.Error as exc:
+        except Exception as exc:  # noqa: BLE001 - the watcher must outlive anything; it reconnects
             log.warning("wake-up watcher: %s; reconnecting in %.0fs", exc, RETRY)
             _pause()
 

@@ -106,6 +106,18 @@ def test_a_body_over_the_limit_is_refused(asgi_server, clock):
     assert answer.status_code == 413 and answer.json()["error"]["code"] == "payload_too_large"
 
 
+def read_response(sock) -> bytes:
+    """One whole HTTP response (headers and its Content-Length of body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return data
+
+
 def closed_after(sock, *, trickle: bytes = b"") -> float:
     """Seconds until the server closes `sock`, sending `trickle` a byte at a time meanwhile."""
     start = time.monotonic()
@@ -138,3 +150,83 @@ def test_an_idle_socket_is_closed_and_others_are_served_meanwhile(strict_server)
     for sock in sockets:
         closed_after(sock)
         sock.close()
+
+
+def test_a_declared_body_over_the_limit_is_refused_unread(asgi_server, clock):
+    with socket.create_connection(("127.0.0.1", asgi_server.port), timeout=WAIT) as sock:
+        sock.sendall(
+            b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {CANARY}\r\nContent-Length: 5000000\r\n\r\n".encode()
+        )
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413 ")
+
+
+def test_a_socket_answered_before_its_body_still_has_a_deadline(strict_server):
+    """A 401 goes out before the body is read; a client that then sends the
+    body and keeps the socket must still be cut off."""
+    with socket.create_connection(("127.0.0.1", strict_server.port), timeout=WAIT) as sock:
+        sock.sendall(b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n")
+        assert read_response(sock).startswith(b"HTTP/1.1 401 ")
+        sock.sendall(b"{}")
+        closed_after(sock)
+
+
+def test_a_claim_round_cut_short_by_a_hang_up_gives_its_jobs_back(asgi_server, clock, monkeypatch):
+    """The worker hangs up while its claim round is in the database: the
+    round ends, and what it leased is expired at once rather than when the
+    lease runs out."""
+    from jobqueue import services
+    from jobqueue.api import asgi
+
+    entered, release, hung_up = threading.Event(), threading.Event(), threading.Event()
+    real = services.claim_round
+    real_disconnected = asgi._disconnected
+
+    async def disconnected(receive):
+        await real_disconnected(receive)
+        hung_up.set()
+
+    monkeypatch.setattr(asgi, "_disconnected", disconnected)
+
+    def slow_round(**kwargs):
+        entered.set()
+        assert release.wait(WAIT)
+        return real(**kwargs)
+
+    monkeypatch.setattr(services, "claim_round", slow_round)
+    enqueue()
+    worker = register()
+    sock = socket.create_connection(("127.0.0.1", asgi_server.port))
+    body = json.dumps({"worker_id": worker.worker_id, "session": worker.session, "wait": 30}).encode()
+    sock.sendall(
+        b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {CANARY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    assert entered.wait(WAIT)
+    sock.close()
+    assert hung_up.wait(WAIT)  # the server saw it while the round was still running
+    release.set()
+    wait_for(lambda: Attempt.objects.filter(state="expired").exists(), timeout=WAIT, what="the attempt given back")
+    assert Attempt.objects.get().error.startswith("the worker hung up")
+
+
+def test_a_worker_at_capacity_does_not_take_the_wake_of_an_idle_one(asgi_server, clock, monkeypatch):
+    """A worker full on the control plane's count long-polls first; one job
+    is enqueued: the idle worker gets it at once, not after a fallback."""
+    enqueue()
+    full = register("full")
+    claim(full)
+    idle = register("idle")
+    results: list = []
+    first = threading.Thread(target=long_poll, args=(asgi_server, full, 5, results))
+    first.start()
+    wait_for(lambda: notifier.waiting() == 1, timeout=WAIT, what="the full worker's long-poll")
+    second_results: list = []
+    second = threading.Thread(target=long_poll, args=(asgi_server, idle, 5, second_results))
+    second.start()
+    wait_for(lambda: notifier.waiting() == 2, timeout=WAIT, what="both long-polls")
+    monkeypatch.setattr(notifier, "_next_fallback", float("inf"))  # no fallback turn may rescue it
+    enqueue()
+    second.join(timeout=WAIT)
+    assert len(second_results[0]["jobs"]) == 1
+    first.join(timeout=WAIT)

@@ -19,7 +19,7 @@ ANY = (None, frozenset(), frozenset())
 
 def send(origin: str, *, at: float = 0) -> None:
     """A wake as another process's commit sends it (autocommit: committed at once)."""
-    message = json.dumps([origin, None, None, 1, at])
+    message = json.dumps([origin, 0, None, None, 1, at, None])
     with connection.cursor() as cursor:
         if postgres():
             cursor.execute(sql.NOTIFY, [emit.CHANNEL, message])
@@ -32,10 +32,12 @@ def test_a_wake_from_another_process_reaches_a_waiter_and_our_own_is_skipped():
     first, second = Waiter("w1", ANY), Waiter("w2", ANY)
     notifier.add(first)
     notifier.add(second)
+    before = notifier.mark()
     send(emit.origin())  # ours: the in-process path delivered it already
     send("another-process")
     assert first.wait(WAIT)
-    assert not second.wait(0)  # our own wake, read before the other one, woke nobody
+    assert notifier.mark() == before + 1  # one delivered: ours, read before it, was skipped
+    assert not second.wait(0)
 
 
 def test_a_delayed_wake_from_another_process_waits_for_its_time():
@@ -43,7 +45,9 @@ def test_a_delayed_wake_from_another_process_waits_for_its_time():
     first, second = Waiter("w1", ANY), Waiter("w2", ANY)
     notifier.add(first)
     notifier.add(second)
+    before = notifier.mark()
     send("another-process", at=9_999_999_999)  # a retry due in the far future
     send("another-process")  # due now, sent after it
     assert first.wait(WAIT)
-    assert not second.wait(0)  # the delayed wake was kept for its time, not delivered
+    assert notifier.mark() == before + 1  # both read (in order); only the one due now delivered
+    assert not second.wait(0)
