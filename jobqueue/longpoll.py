@@ -72,6 +72,8 @@ def _steps(*, worker_id: str, session: str, max_jobs: int, wait: float) -> Gener
             waiter.blocked = blocked
             notifier.add(waiter, since=mark)
             if not (yield "wait", (waiter, remaining)):
+                if not blocked:  # it waited in line for every wake it could use: quiet until the next one
+                    notifier.came_back_empty(worker_id, session, shape)
                 return []
             waiter.take()
     finally:
@@ -104,7 +106,7 @@ def _claim_round(arguments: dict):
     try:
         return services.claim_round(**arguments)
     finally:
-        _release()  # under ASGI connections do not persist: give it back
+        _release()  # drops a broken connection; on PostgreSQL under the listener, back to the pool
 
 
 async def _claim_round_shielded(arguments: dict):

@@ -110,7 +110,7 @@ def _call_view(request, close: bool = True) -> HttpResponse:
         return response
     finally:
         if close:
-            _release()  # connections do not outlive a request under ASGI (settings)
+            _release()  # drops a broken connection; on PostgreSQL under the listener, back to the pool
 
 
 def _declared_too_large(request) -> bool:

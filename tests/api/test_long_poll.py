@@ -152,3 +152,15 @@ def test_one_enqueue_wakes_one_of_many_waiters(clock, rounds):
         thread.join(timeout=WAIT)
     assert [len(got[w.worker_id]) for w in workers] == [1, 0, 0, 0, 0]
     assert len(rounds) == 1
+
+
+@pytest.mark.django_db
+def test_each_quiet_wait_renews_the_memo(api, clock, rounds, monkeypatch):
+    """A memo is trusted for QUIET_FOR seconds from the last time the worker
+    waited in line, not from its last claim: an idle fleet re-polling costs
+    no transaction however long it stays idle."""
+    monkeypatch.setattr(notifier, "QUIET_FOR", 0.15)
+    worker = register()
+    for _ in range(4):
+        assert api.post("claims", body(worker, 0.1)).json() == {"jobs": []}
+    assert len(rounds) == 1
