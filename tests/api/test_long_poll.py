@@ -8,7 +8,7 @@ import pytest
 from django.db import connection
 
 from jobqueue import services
-from jobqueue.wakeup import notifier
+from jobqueue.wakeup import notifier, watch
 from tests.factories import enqueue, register
 from tests.waiting import wait_for
 
@@ -34,6 +34,12 @@ def no_fallback(monkeypatch):
     """No fallback re-check during these tests: every wake is one the test caused."""
     monkeypatch.setattr(notifier, "fallback", 3600.0)
     monkeypatch.setattr(notifier, "_next_fallback", float("inf"))
+
+
+@pytest.fixture(autouse=True)
+def watcher_running():
+    """The wake-up watcher's catch-up wake at its start is behind every test."""
+    assert watch.ensure_running().wait(WAIT)
 
 
 def body(worker, wait):
