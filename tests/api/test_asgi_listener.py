@@ -40,6 +40,17 @@ def url(server, path):
     return f"{server.url}/api/worker/v1/{path}"
 
 
+def raw_long_poll(server, worker, *, wait: float) -> socket.socket:
+    """A long-poll sent on a socket of its own, which the test may close."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps({"worker_id": worker.worker_id, "session": worker.session, "wait": wait}).encode()
+    sock.sendall(
+        b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {CANARY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    return sock
+
+
 def long_poll(server, worker, wait, results):
     body = {"worker_id": worker.worker_id, "session": worker.session, "wait": wait}
     with requests.Session() as session:
@@ -74,12 +85,7 @@ def test_waiting_long_polls_hold_no_thread_and_heartbeats_pass(asgi_server, cloc
 
 def test_a_worker_that_hangs_up_stops_waiting(asgi_server, clock):
     worker = register()
-    sock = socket.create_connection(("127.0.0.1", asgi_server.port))
-    body = json.dumps({"worker_id": worker.worker_id, "session": worker.session, "wait": 30}).encode()
-    sock.sendall(
-        b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {CANARY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
-    )
+    sock = raw_long_poll(asgi_server, worker, wait=30)
     wait_for(lambda: notifier.waiting() == 1, timeout=WAIT, what="the long-poll to wait")
     sock.close()
     wait_for(lambda: notifier.waiting() == 0, timeout=WAIT, what="the wait to end with the connection")
@@ -196,12 +202,7 @@ def test_a_claim_round_cut_short_by_a_hang_up_gives_its_jobs_back(asgi_server, c
     monkeypatch.setattr(services, "claim_round", slow_round)
     enqueue()
     worker = register()
-    sock = socket.create_connection(("127.0.0.1", asgi_server.port))
-    body = json.dumps({"worker_id": worker.worker_id, "session": worker.session, "wait": 30}).encode()
-    sock.sendall(
-        b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {CANARY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
-    )
+    sock = raw_long_poll(asgi_server, worker, wait=30)
     assert entered.wait(WAIT)
     sock.close()
     assert hung_up.wait(WAIT)  # the server saw it while the round was still running
