@@ -9,7 +9,8 @@ that already runs the control plane's threads.
 Each gunicorn process runs uvicorn (ASGI) with an event loop: a waiting
 long-poll is a coroutine (jobqueue.api.asgi), so a thousand of them cost
 memory, not threads, and heartbeats and finishes never queue behind them;
-those run as Django sync views, each in a thread of its own. The protocol
+those run as Django sync views in a pool of threads that only ever wait on
+the database. The protocol
 (`ApiaryHttp`) adds what uvicorn lacks against slow or idle sockets: a
 client must send a whole request — headers and body — within
 `request_timeout` of connecting or of its previous answer, or the socket is
@@ -49,7 +50,10 @@ class ApiaryHttp(HttpToolsProtocol):
     def on_message_complete(self):
         super().on_message_complete()
         self._whole = True
-        self._stop_clock()
+        if self.cycle is None or not self.cycle.response_complete:
+            self._stop_clock()  # being answered: a long-poll may take its time
+        # else answered before its body was read (a 401): the clock set at that
+        # answer runs on, or nothing would ever close this socket.
 
     def on_response_complete(self):
         super().on_response_complete()  # arms uvicorn's idle (keep-alive) timer

@@ -97,12 +97,14 @@ TEMPLATES = [
 ]
 
 
-# The listener's processes serve ASGI (apiary_site.listener): Django runs each
-# request's sync part in a thread of its own, so a connection kept per thread
-# would be kept per request. There connections close after each request, and
-# PostgreSQL ones come from a pool (Django 5.1+, psycopg_pool) instead.
+# The listener's processes serve ASGI (apiary_site.listener). The worker
+# protocol runs in fixed thread pools (jobqueue.api.asgi, jobqueue.longpoll),
+# whose threads keep their SQLite connection as every long-running process
+# does. PostgreSQL connections there come from a pool (Django 5.1+,
+# psycopg_pool; pooling needs CONN_MAX_AGE 0) and go back after each call.
 ASGI = os.environ.get("APIARY_ASGI") == "1"
-PG_POOL = {"min_size": 2, "max_size": int(os.environ.get("APIARY_PG_POOL_SIZE", "20")), "timeout": 10}
+# 16 protocol threads + 4 claim threads per process (jobqueue.api.asgi, jobqueue.longpoll), and the admin.
+PG_POOL = {"min_size": 2, "max_size": int(os.environ.get("APIARY_PG_POOL_SIZE", "24")), "timeout": 10}
 
 
 def _postgres(url: str) -> dict:
@@ -130,7 +132,7 @@ def _sqlite(path: Path) -> dict:
     return {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": str(path),
-        "CONN_MAX_AGE": 0 if ASGI else None,
+        "CONN_MAX_AGE": None,
         "OPTIONS": {
             # IMMEDIATE: every transaction takes the write lock at BEGIN, so two
             # claimers never read the same queued row and then collide on the

@@ -24,11 +24,12 @@ from django.db import close_old_connections
 
 from jobqueue import services
 from jobqueue.types import Claim
-from jobqueue.wakeup import Waiter, notifier, watch
+from jobqueue.wakeup import Waiter, Wake, notifier, watch
 
 log = logging.getLogger("apiary.queue.claims")
 
-CLAIM_THREADS = 4  # claim transactions of waiting long-polls in flight at once, per process
+CLAIM_THREADS = 4
+CONTENDED_RETRY = 0.05  # seconds before claiming again jobs that were locked by another claimer  # claim transactions of waiting long-polls in flight at once, per process
 
 _monotonic = time.monotonic  # the long-poll tests replace it
 _claim_pool = ThreadPoolExecutor(max_workers=CLAIM_THREADS, thread_name_prefix="apiary-claim")
@@ -42,8 +43,11 @@ def _steps(*, worker_id: str, session: str, max_jobs: int, wait: float) -> Gener
     to get whether the waiter was woken; returns the claims."""
     deadline = _monotonic() + wait
     arguments = {"worker_id": worker_id, "session": session, "max_jobs": max_jobs}
+    if wait > 0:
+        watch.ensure_running()
     mark = notifier.mark()
     shape = notifier.quiet(worker_id, session) if wait > 0 else None
+    blocked = False
     waiter = None
     try:
         while True:
@@ -55,23 +59,27 @@ def _steps(*, worker_id: str, session: str, max_jobs: int, wait: float) -> Gener
                     if waiter is not None and waiter.by_fallback:
                         notifier.pass_turn()  # more may be left that no wake announced
                     return result.claims
-                if result.starved:
+                if result.contended:  # jobs another claimer held locked: look again in a moment
+                    notifier.publish(Wake(requirements=None, worker_id=worker_id, delay=CONTENDED_RETRY))
+                elif result.starved:
                     notifier.came_back_empty(worker_id, session, result.shape)
-                shape = result.shape
+                shape, blocked = result.shape, not (result.starved or result.contended)
             remaining = deadline - _monotonic()
             if remaining <= 0:
                 return []
             if waiter is None:
-                watch.ensure_running()
                 waiter = Waiter(worker_id, shape)
-            else:
-                waiter.rearm()
+            waiter.blocked = blocked
             notifier.add(waiter, since=mark)
             if not (yield "wait", (waiter, remaining)):
+                if not blocked:  # it waited in line for every wake it could use: quiet until the next one
+                    notifier.came_back_empty(worker_id, session, shape)
                 return []
+            waiter.take()
     finally:
         if waiter is not None:
             notifier.remove(waiter)
+            notifier.give_back(waiter)  # a wake that fired it as it left goes to the next waiter
 
 
 def claim_with_wait(*, worker_id: str, session: str, max_jobs: int, wait: float) -> list[Claim]:
@@ -98,7 +106,29 @@ def _claim_round(arguments: dict):
     try:
         return services.claim_round(**arguments)
     finally:
-        _release()  # under ASGI connections do not persist: give it back
+        _release()  # drops a broken connection; on PostgreSQL under the listener, back to the pool
+
+
+async def _claim_round_shielded(arguments: dict):
+    """A claim round that a cancel (the client hung up) cannot cut in half:
+    the round runs to its end, and what it leased is given back at once."""
+    running = asyncio.ensure_future(offload(_claim_pool, _claim_round, arguments))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        result = await running
+        for claim in result.claims:
+            await offload(_claim_pool, _abandon, claim)
+        raise
+
+
+def _abandon(claim: Claim) -> None:
+    try:
+        services.attempt_abandon(
+            attempt_id=claim.attempt_id, token=claim.token, why="the worker hung up before the claim reached it"
+        )
+    finally:
+        _release()
 
 
 async def claim_with_wait_async(*, worker_id: str, session: str, max_jobs: int, wait: float) -> list[Claim]:
@@ -109,7 +139,7 @@ async def claim_with_wait_async(*, worker_id: str, session: str, max_jobs: int, 
         while True:
             kind, arg = steps.send(answer)
             if kind == "claim":
-                answer = await offload(_claim_pool, _claim_round, arg)
+                answer = await _claim_round_shielded(arg)
             else:
                 answer = await arg[0].wait_async(arg[1])
     except StopIteration as done:

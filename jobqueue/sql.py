@@ -63,6 +63,7 @@ TRY_LOCK_PIN = "SELECT pg_try_advisory_xact_lock(%s, %s)"
 INSERT_PIN = "INSERT INTO queue_affinity (key, worker_id, pinned_at) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING"
 
 PIN_OF = "SELECT worker_id FROM queue_affinity WHERE key = %s"
+PIN_OF_JOB = "SELECT p.worker_id FROM queue_job j JOIN queue_affinity p ON p.key = j.affinity_key WHERE j.id = %s"
 
 # One class's queued jobs in claim order, skipping affinity jobs pinned to another worker.
 _WALK = (

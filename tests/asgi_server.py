@@ -10,8 +10,11 @@ import threading
 
 import uvicorn
 from django.core.handlers.asgi import ASGIHandler
+from django.db import connections
 
 from apiary_site.listener import ApiaryHttp
+from jobqueue import longpoll
+from jobqueue.api import asgi
 from jobqueue.api.asgi import with_worker_protocol
 
 
@@ -37,6 +40,10 @@ class AsgiServer:
         asyncio.run(self.server.serve(sockets=[self.sock]))
 
     def __enter__(self):
+        # Under the listener connections close after each call (CONN_MAX_AGE 0 under
+        # ASGI); here too, so none is left open when the test database is dropped.
+        self.released = asgi._release, longpoll._release
+        asgi._release = longpoll._release = connections.close_all
         self.thread.start()
         deadline = threading.Event()
         for _ in range(500):
@@ -49,3 +56,4 @@ class AsgiServer:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.sock.close()
+        asgi._release, longpoll._release = self.released

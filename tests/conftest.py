@@ -57,3 +57,12 @@ def asgi_server():
 
     with AsgiServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _wakeup_watcher_stops(django_db_setup, django_db_blocker):
+    """The wake-up watcher's own connection closes before the test database is dropped."""
+    yield
+    from jobqueue.wakeup import watch
+
+    watch.stop()

@@ -200,7 +200,14 @@ def test_minimal_file_gets_every_default(tmp_path):
     assert q.limits.defaults == {"project": 0, "source": 0, "agent": 0, "runner": 0, "pool": 0}
     assert q.limits.limit("project", config.project) == 0
     assert q.limits.active_dimensions() == ()
+    assert q.listener == cfg.schema.ListenerSettings(processes=2, request_timeout=10.0, idle_timeout=60.0)
     assert (config.agents, config.workflows, config.sources) == ({}, {}, {})
+
+
+def test_listener_settings_are_read(tmp_path):
+    changes = {"settings.queue.listener": {"processes": 4, "request_timeout": "5s", "idle_timeout": "2m"}}
+    config = cfg.load(write_changed(tmp_path, changes), environ={})
+    assert config.settings.queue.listener == cfg.schema.ListenerSettings(4, 5.0, 120.0)
 
 
 def test_config_objects_are_frozen(tmp_path):
@@ -421,6 +428,10 @@ def test_base_of_the_invalid_table_is_valid(tmp_path):
 
 
 INVALID = [
+    ({"settings.queue.listener": {"processes": 0}}, "settings.queue.listener.processes", "expected an integer"),
+    ({"settings.queue.listener": {"request_timeout": "soon"}}, "settings.queue.listener.request_timeout", "soon"),
+    ({"settings.queue.listener": {"threads": 64}}, "settings.queue.listener.threads", "unknown key"),
+    ({"settings.queue.listener": 4}, "settings.queue.listener", "expected a mapping"),
     ({"agents[1].runner": "gpt"}, "agents[1].runner", "expected one of codex, claude, shell, got 'gpt'"),
     ({"agents[1].runner": "codex-cli"}, "agents[1].runner", "(did you mean 'codex'?)"),
     ({"agents[1].runner": DELETE}, "agents[1].runner", "required"),

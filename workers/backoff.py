@@ -40,7 +40,7 @@ class Backoff:
         delay = self.rand() * ceiling
         if retry_after is not None and retry_after > 0:
             floor = min(retry_after, self.cap)
-            delay = max(delay, floor * (1 + self.rand() / 2))
+            delay = max(delay, min(self.cap, floor * (1 + self.rand() / 2)))  # spread, but never past the cap
         return delay
 
     def succeeded(self) -> None:

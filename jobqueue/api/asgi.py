@@ -8,14 +8,16 @@ park a thread per waiting worker, and an anonymous client could make us
 store a body of any size. So requests under /api/worker/ are answered here:
 
 * the token is checked before the body is read, and the body is read at
-  most one byte past the protocol's limit (the view then answers 413);
+  most one byte past the protocol's limit (the view then answers 413; a
+  declared Content-Length over it is answered without reading anything);
 * the DRF views run unchanged — the same validation, answers and errors as
   under WSGI — heartbeats, finishes and the rest in a pool of threads that
   never wait on anything but the database (`API_THREADS`);
 * `POST claims` is validated by its view on the event loop (CPU only), which
   hands back the arguments instead of claiming, and the long-poll runs as a
   coroutine (`claim_with_wait_async`): while it waits it holds no thread, no
-  connection and runs no query. A client that hangs up ends the wait.
+  connection and runs no query. A client that hangs up ends the wait; a
+  claim round already running finishes and gives back what it leased.
 
 Everything else (the admin) goes to Django unchanged.
 """
@@ -25,6 +27,7 @@ import contextlib
 import io
 from concurrent.futures import ThreadPoolExecutor
 
+from django.core.exceptions import DisallowedHost
 from django.core.handlers.asgi import ASGIHandler
 from django.db import close_old_connections
 from django.http import HttpResponse
@@ -74,15 +77,20 @@ def with_worker_protocol(django: ASGIHandler):
 async def _serve(django: ASGIHandler, finish, scope, receive, send) -> None:
     request, error = django.create_request(scope, io.BytesIO())
     if request is None:
-        await django.send_response(error, send)
+        await django.send_response(_refused(error.status_code), send)
         return
-    if _authenticated(request):  # read no body for a client without the token
+    try:
+        request.get_host()  # ALLOWED_HOSTS, as Django's CommonMiddleware checks it
+    except DisallowedHost:
+        await django.send_response(_json(error_body("invalid_request", "the Host header is not allowed"), 400), send)
+        return
+    if _authenticated(request) and not _declared_too_large(request):  # the view answers both without a body
         body = await _read_capped(receive)
         if body is None:
             return  # the client hung up
         request, error = django.create_request(scope, body)
         if request is None:
-            await django.send_response(error, send)
+            await django.send_response(_refused(error.status_code), send)
             return
     if scope["method"] == "POST" and scope["path"] == CLAIMS:
         request.META[DEFER_CLAIM] = True
@@ -102,7 +110,22 @@ def _call_view(request, close: bool = True) -> HttpResponse:
         return response
     finally:
         if close:
-            _release()  # connections do not outlive a request under ASGI (settings)
+            _release()  # drops a broken connection; on PostgreSQL under the listener, back to the pool
+
+
+def _declared_too_large(request) -> bool:
+    try:
+        return int(request.META.get("CONTENT_LENGTH") or 0) > body_limit()
+    except ValueError:
+        return False
+
+
+def _refused(status: int) -> HttpResponse:
+    """Django could not even build the request (a body too large for it, an
+    undecodable path): answered in the protocol's JSON like every error."""
+    if status == 413:
+        return _json(error_body("payload_too_large", "the request body is larger than the limit"), 413)
+    return _json(error_body("invalid_request", "malformed request"), 400)
 
 
 def _authenticated(request) -> bool:
@@ -164,6 +187,5 @@ def _json(data: dict, status: int, headers: dict | None = None) -> HttpResponse:
     for name, value in (headers or {}).items():
         response[name] = value
     response["Apiary-Protocol"] = str(PROTOCOL_VERSION)
-    response["Vary"] = "Accept"
-    response["Allow"] = "POST, OPTIONS"
+    response["Allow"] = "POST, OPTIONS"  # as DRF's ClaimView answers
     return response

@@ -9,19 +9,20 @@ transaction. Job and attempt states move only through
 
     jobs.py       job_enqueue (and job_enqueue_in, inside a caller's transaction), job_cancel
     claiming.py   jobs_claim (claim_round: the same, with what a long-poll needs to wait)
-    attempts.py   attempt_heartbeat, attempt_finish, leases_expire, reconcile
+    attempts.py   attempt_heartbeat, attempt_finish, attempt_abandon, leases_expire, reconcile
     workers.py    worker_register, worker_heartbeat, worker_drain, worker_undrain
     affinity.py   affinity_release (and the pin a claim takes)
 """
 
 from .affinity import affinity_release
-from .attempts import attempt_finish, attempt_heartbeat, leases_expire, reconcile
+from .attempts import attempt_abandon, attempt_finish, attempt_heartbeat, leases_expire, reconcile
 from .claiming import claim_round, jobs_claim, requirement_cache
 from .common import hash_token
 from .jobs import job_cancel, job_enqueue, job_enqueue_in
 from .workers import worker_drain, worker_heartbeat, worker_register, worker_undrain
 
 __all__ = [
+    "attempt_abandon",
     "affinity_release",
     "attempt_finish",
     "attempt_heartbeat",

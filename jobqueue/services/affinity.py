@@ -15,9 +15,10 @@ from .common import log, postgres, service
 PIN_LOCK_SPACE = 0x41504941  # "APIA": the advisory-lock key space of affinity pins
 
 
-def pin(cursor, key: str, worker_id: str, now: dt.datetime) -> bool:
+def pin(cursor, key: str, worker_id: str, now: dt.datetime) -> bool | None:
     """Inside a claim: pin `key` to the claimer unless it is pinned already;
-    True when it is pinned to us.
+    True when it is pinned to us, False when to another worker, None when
+    another claim holds the key's lock right now (PostgreSQL).
 
     On PostgreSQL a concurrent claimer pinning the same key would make the
     insert wait for its commit, and two claims pinning two keys in opposite
@@ -26,7 +27,7 @@ def pin(cursor, key: str, worker_id: str, now: dt.datetime) -> bool:
         lock = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big", signed=True)
         cursor.execute(sql.TRY_LOCK_PIN, [PIN_LOCK_SPACE, lock])
         if not cursor.fetchone()[0]:
-            return False
+            return None
     cursor.execute(sql.INSERT_PIN, [key, worker_id, sql.ts(now)])
     return sql.one(cursor, sql.PIN_OF, [key])[0] == worker_id
 

@@ -133,19 +133,34 @@ def attempt_finish(
             )
         event(cursor, job_id=a.job_id, kind="finished", at=now, worker_id=a.worker_id, attempt_id=attempt_id, **detail)
         retry_in = (available - now).total_seconds() if new_state == JobState.QUEUED else None
-        _freed(cursor, a.requirements_id, retry_in)
+        _freed(cursor, a.job_id, a.requirements_id, retry_in)
     return new_state
 
 
-def _freed(cursor, requirements_id: int, retry_in: float | None) -> None:
+def _freed(cursor, job_id: int, requirements_id: int, retry_in: float | None) -> None:
     """Wake the waiting claims an attempt's end may serve: the job itself when
-    it is queued again (after its backoff), and one waiter of any class for
-    the limit slot it freed. (Its own worker's freed capacity needs none: that
-    worker's runtime claims again when its job ends.)"""
+    it is queued again (after its backoff; only its pinned worker, when its
+    affinity key is pinned), and one waiter of any class for the limit slot
+    it freed. (Its own worker's freed capacity needs none: that worker's
+    runtime claims again when its job ends.)"""
     if retry_in is not None:
-        emit(cursor, Wake(requirements=requirements_id, delay=max(0.0, retry_in)))
+        pinned = sql.one(cursor, sql.PIN_OF_JOB, [job_id])
+        emit(cursor, Wake(requirements=requirements_id, worker_id=pinned[0] if pinned else None, delay=max(0.0, retry_in)))
     if conf.current().limits.active_dimensions():
         emit(cursor, Wake(requirements=None))
+
+
+@service
+def attempt_abandon(*, attempt_id: int, token: str, why: str, clock: Clock | None = None) -> str:
+    """The worker will never run this attempt (it hung up before the claim
+    answer reached it): expire it now, as its lease would later, so the job
+    is claimable again at once. Returns the job's state."""
+    now = now_of(clock)
+    with connection.cursor() as cursor:
+        a = _fenced(cursor, attempt_id, token, sql.ts(now))  # on PostgreSQL: attempt and job locked
+        _require_live(attempt_id, a)
+    attempt = Attempt.objects.select_related("job").get(pk=attempt_id)
+    return expire(attempt, now, why)
 
 
 def expire(attempt: Attempt, now: dt.datetime, why: str) -> str:
@@ -174,7 +189,7 @@ def expire(attempt: Attempt, now: dt.datetime, why: str) -> str:
             cursor, job_id=job.pk, kind="expired", at=now, worker_id=attempt.worker_id, attempt_id=attempt.pk,
             why=why, job_state=new_state,
         )
-        _freed(cursor, job.requirements_id, 0.0 if new_state == JobState.QUEUED else None)
+        _freed(cursor, job.pk, job.requirements_id, 0.0 if new_state == JobState.QUEUED else None)
     return new_state
 
 

@@ -40,7 +40,7 @@ class RequirementCache:
     so a set can appear *below* the highest id already seen. Ids skipped that
     way are remembered as gaps and asked for again on every call until they
     show up, or for GAP_SECONDS (a rolled-back insert leaves a gap for good).
-    Shared by the threads of a process (gthread listener, the daemon's worker):
+    Shared by the threads of a process (the listener's claim pool, the daemon's worker):
     the lock guards the state, never a query."""
 
     GAP_SECONDS = 300.0
@@ -102,6 +102,7 @@ class Round:
     claims: list[Claim]
     shape: tuple[str | None, frozenset, frozenset]
     starved: bool
+    contended: bool = False  # PostgreSQL: jobs passed over because another claim held their lock
 
 
 def _live_counts(cursor, dimensions: tuple[str, ...], n_ow, only: list[tuple[str, str, int]] = ()) -> Counter:
@@ -174,6 +175,7 @@ def _claim(worker_id: str, session: str, max_jobs: int, clock: Clock | None) -> 
 
         claims: list[Claim] = []
         passed_over: set[int] = set()
+        contended = False
         for _round in range(4):  # each round claims or passes over ≥1 job; a short answer is fine
             want = wanted - len(claims)
             open_sets = [
@@ -186,21 +188,24 @@ def _claim(worker_id: str, session: str, max_jobs: int, clock: Clock | None) -> 
                 if keys and on_postgres:
                     if not _lock_limit_keys(cursor, keys):
                         passed_over.add(cand["id"])
+                        contended = True
                         continue
                     fresh = _live_counts(cursor, dimensions, n_ow, keys)  # recounted under the lock
                     for d, k, _ in keys:
                         counts[(d, k)] = fresh[(d, k)]
-                if any(counts[(d, k)] >= lim for d, k, lim in keys) or (
-                    cand["affinity_key"] is not None and not pin(cursor, cand["affinity_key"], worker_id, now)
-                ):
+                if any(counts[(d, k)] >= lim for d, k, lim in keys):
                     passed_over.add(cand["id"])
+                    continue
+                if cand["affinity_key"] is not None and not (pinned := pin(cursor, cand["affinity_key"], worker_id, now)):
+                    passed_over.add(cand["id"])  # pinned elsewhere, or (None) another claim holds the key's lock
+                    contended = contended or pinned is None
                     continue
                 claims.append(_lease(cursor, cand, worker_id, w_session, now, cfg))
                 for d, k, _ in keys:
                     counts[(d, k)] += 1
             if len(batch) < want or len(claims) == wanted:
                 break
-        return Round(claims, shape, starved=not claims)
+        return Round(claims, shape, starved=not claims and not contended, contended=contended and not claims)
 
 
 def _candidates(cursor, classes: list[int], worker_id: str, n_ow, passed_over: set[int], want: int) -> list[dict]:

@@ -105,7 +105,8 @@ def job_enqueue_in(
     with connection.cursor() as cursor:
         event(cursor, job_id=job.pk, kind="enqueued", at=now)
         pinned = sql.one(cursor, sql.PIN_OF, [affinity_key]) if affinity_key is not None else None
-        emit(cursor, Wake(requirements=requirements.pk, worker_id=pinned[0] if pinned else None))
+        needs = (requirements.pool, frozenset(requirements.labels), frozenset(requirements.capabilities))
+        emit(cursor, Wake(requirements=requirements.pk, worker_id=pinned[0] if pinned else None, needs=needs))
     return job, True
 
 

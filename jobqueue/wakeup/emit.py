@@ -7,6 +7,7 @@ waiters hear it at once through `on_commit`; the watchers skip wakes of
 their own origin so nobody hears one twice.
 """
 
+import itertools
 import json
 import os
 import secrets
@@ -33,15 +34,25 @@ def origin() -> str:
     return _origin[1]
 
 
+_serial = itertools.count()
+
+
 def encode(wake: Wake) -> str:
+    """[origin, serial, class, worker, count, due, needs]. The serial makes
+    every message distinct: PostgreSQL folds identical NOTIFYs of one
+    transaction into one, and 500 jobs expired together are 500 wakes."""
     at = round(time.time() + wake.delay, 3) if wake.delay > 0 else 0
-    return json.dumps([origin(), wake.requirements, wake.worker_id, wake.count, at], separators=(",", ":"))
+    needs = None if wake.needs is None else [wake.needs[0], sorted(wake.needs[1]), sorted(wake.needs[2])]
+    message = [origin(), next(_serial), wake.requirements, wake.worker_id, wake.count, at, needs]
+    return json.dumps(message, separators=(",", ":"))
 
 
 def decode(text: str) -> tuple[str, Wake]:
-    sender, requirements, worker_id, count, at = json.loads(text)
+    sender, _serial_number, requirements, worker_id, count, at, needs = json.loads(text)
     delay = max(0.0, at - time.time()) if at else 0.0
-    return sender, Wake(requirements=requirements, worker_id=worker_id, count=count, delay=delay)
+    if needs is not None:
+        needs = (needs[0], frozenset(needs[1]), frozenset(needs[2]))
+    return sender, Wake(requirements=requirements, worker_id=worker_id, count=count, delay=delay, needs=needs)
 
 
 def emit(cursor, wake: Wake) -> None:
@@ -53,4 +64,5 @@ def emit(cursor, wake: Wake) -> None:
         row_id = cursor.lastrowid
         if row_id and row_id % PRUNE_EVERY == 0:
             cursor.execute(sql.PRUNE_WAKEUPS, [row_id - KEEP])
-    transaction.on_commit(lambda: notifier.publish(wake))
+    # robust: the service has committed; a failure to wake anyone here is the fallback's to mend.
+    transaction.on_commit(lambda: notifier.publish(wake), robust=True)

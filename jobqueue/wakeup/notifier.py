@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -44,25 +45,34 @@ class Wake:
     worker_id: str | None = None  # only this worker can use it
     count: int = 1  # how many waiters it can serve
     delay: float = 0.0  # seconds from now until it can be used
+    needs: Shape | None = None  # what the class requires, when the sender knew it
 
 
 class Waiter:
-    """One waiting claim. `fire()` may be called from any thread."""
+    """One waiting claim. `fire()` may be called from any thread.
+
+    A `blocked` waiter's worker could not claim for other reasons than a
+    lack of jobs (draining, not ready, at capacity): only wakes addressed to
+    it by name can change that, and the fallback passes it by."""
 
     def __init__(self, worker_id: str, shape: Shape):
         self.worker_id = worker_id
         self.shape = shape
         self.seq = 0  # arrival order, kept across re-waits of one long-poll
+        self.blocked = False
+        self.checked_at = 0.0  # when the fallback last woke it (monotonic)
+        self.wake: Wake | None = None  # what fired it, until taken
         self.by_fallback = False
         self._event = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async_event: asyncio.Event | None = None
 
-    def fire(self, *, by_fallback: bool = False) -> None:
-        self.by_fallback = by_fallback
+    def fire(self, wake: Wake, *, by_fallback: bool = False) -> None:
+        self.wake, self.by_fallback = wake, by_fallback
         self._event.set()
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._async_event.set)
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nobody awaits it any more
+                self._loop.call_soon_threadsafe(self._async_event.set)
 
     def wait(self, timeout: float) -> bool:
         return self._event.wait(timeout)
@@ -79,19 +89,30 @@ class Waiter:
             return False
         return True
 
-    def rearm(self) -> None:
+    def fired(self) -> bool:
+        """Fired and not yet taken (a wake it must give back if it leaves)."""
+        return self._event.is_set()
+
+    def take(self) -> None:
+        """It acts on the wake that fired it (a claim round follows)."""
         self._event.clear()
         if self._async_event is not None:
             self._async_event.clear()
-        self.by_fallback = False
+        self.wake = None
 
 
-def _usable(wake: Wake, worker_id: str, shape: Shape, resolve: Resolve) -> bool:
-    if wake.worker_id is not None and wake.worker_id != worker_id:
+def _usable(wake: Wake, waiter: Waiter, resolve: Resolve) -> bool:
+    if wake.worker_id is not None:
+        return wake.worker_id == waiter.worker_id
+    if waiter.blocked:
         return False
-    if wake.requirements is None:
+    return _fits(wake, waiter.shape, resolve)
+
+
+def _fits(wake: Wake, shape: Shape, resolve: Resolve) -> bool:
+    if wake.requirements is None and wake.needs is None:
         return True
-    needs = resolve(wake.requirements)
+    needs = wake.needs or resolve(wake.requirements)
     if needs is None:  # a class this process has not seen yet: let a claim find out
         return True
     need_pool, need_labels, need_caps = needs
@@ -108,6 +129,7 @@ class Notifier:
         self.fallback = fallback
         self.monotonic = monotonic
         self._lock = threading.Lock()
+        self.arrived = threading.Event()  # set by add(): the watcher polls fast again
         self.reset()
 
     def reset(self) -> None:
@@ -141,17 +163,17 @@ class Notifier:
                 waiter.seq = next(self._arrivals)
             if since is not None and since < self._wakes:
                 oldest = self._recent[0][0] if self._recent else self._wakes + 1
-                if since + 1 < oldest or any(
-                    number > since and _usable(wake, waiter.worker_id, waiter.shape, self.resolve)
-                    for number, wake in self._recent
-                ):
-                    missed = True
-                else:
-                    missed = False
-                if missed:
-                    waiter.fire()
+                missed = next(
+                    (wake for number, wake in self._recent if number > since and _usable(wake, waiter, self.resolve)),
+                    None,
+                )
+                if missed is None and since + 1 < oldest:  # too many wakes since to tell: assume one was for it
+                    missed = Wake(requirements=None, worker_id=waiter.worker_id)
+                if missed is not None:
+                    waiter.fire(missed)
                     return
             bisect.insort(self._waiters, (waiter.seq, waiter), key=lambda item: item[0])
+        self.arrived.set()
 
     def remove(self, waiter: Waiter) -> None:
         with self._lock:
@@ -183,12 +205,12 @@ class Notifier:
             for _seq, waiter in self._waiters:
                 if len(chosen) == wake.count:
                     break
-                if _usable(wake, waiter.worker_id, waiter.shape, self.resolve):
+                if _usable(wake, waiter, self.resolve):
                     chosen.append(waiter)
             for waiter in chosen:
                 self._drop(waiter)
         for waiter in chosen:
-            waiter.fire(by_fallback=by_fallback)
+            waiter.fire(wake, by_fallback=by_fallback)
 
     def tick(self) -> None:
         """Fire due timers; every `fallback` seconds wake one waiter for a re-check."""
@@ -203,30 +225,45 @@ class Notifier:
             return
         self._next_fallback = now + self.fallback
         with self._lock:
-            oldest: dict[Shape, Waiter] = {}
+            for worker_id, memo in list(self._quiet.items()):
+                if now - memo[3] > self.QUIET_FOR:
+                    del self._quiet[worker_id]
+            # Per shape, the waiter checked longest ago (arrival order breaks ties);
+            # then one shape per tick, in turn.
+            pick: dict[Shape, Waiter] = {}
             for _seq, waiter in self._waiters:
-                oldest.setdefault(waiter.shape, waiter)
-            if not oldest:
+                if waiter.blocked:
+                    continue
+                best = pick.get(waiter.shape)
+                if best is None or waiter.checked_at < best.checked_at:
+                    pick[waiter.shape] = waiter
+            if not pick:
                 return
-            shapes = list(oldest.values())
+            shapes = list(pick.values())
             waiter = shapes[self._turn % len(shapes)]
             self._turn += 1
+            waiter.checked_at = now
             self._drop(waiter)
-        waiter.fire(by_fallback=True)
+        waiter.fire(Wake(requirements=None, worker_id=waiter.worker_id), by_fallback=True)
 
     def pass_turn(self) -> None:
         """A waiter the fallback woke claimed something: more may be left that
         no wake announced, so the next waiter checks too."""
         self._deliver(Wake(requirements=None), by_fallback=True)
 
+    def give_back(self, waiter: Waiter) -> None:
+        """A waiter leaves (its wait ran out, its client hung up) with a wake it
+        did not act on: the wake goes to the next waiter instead of being lost."""
+        wake = waiter.wake
+        if waiter.fired() and wake is not None:
+            waiter.take()
+            if wake.worker_id != waiter.worker_id:  # one addressed to it alone has nobody else to go to
+                self._deliver(wake, by_fallback=waiter.by_fallback)
+
     # ------------------------------------------------------------------ quiet
     def came_back_empty(self, worker_id: str, session: str, shape: Shape) -> None:
         with self._lock:
             self._quiet[worker_id] = (session, shape, self._wakes, self.monotonic())
-
-    def forget(self, worker_id: str) -> None:
-        with self._lock:
-            self._quiet.pop(worker_id, None)
 
     def quiet(self, worker_id: str, session: str) -> Shape | None:
         """The worker's shape when nothing it could claim can have appeared
@@ -245,7 +282,8 @@ class Notifier:
                 del self._quiet[worker_id]
                 return None
             for number, wake in self._recent:
-                if number > seen and _usable(wake, worker_id, shape, self.resolve):
+                usable = wake.worker_id == worker_id if wake.worker_id is not None else _fits(wake, shape, self.resolve)
+                if number > seen and usable:
                     del self._quiet[worker_id]
                     return None
             return shape

@@ -31,7 +31,6 @@ QUEUE_MODELS = (Job, Attempt, JobEvent, Worker, Affinity, WorkflowInstance, Task
 @pytest.fixture(autouse=True)
 def worker_token(settings):
     settings.APIARY_WORKER_TOKEN = CANARY
-    settings.APIARY_CLAIM_POLL_INTERVAL = 0.01
     return CANARY
 
 

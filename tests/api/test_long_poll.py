@@ -8,7 +8,7 @@ import pytest
 from django.db import connection
 
 from jobqueue import services
-from jobqueue.wakeup import notifier
+from jobqueue.wakeup import notifier, watch
 from tests.factories import enqueue, register
 from tests.waiting import wait_for
 
@@ -34,6 +34,12 @@ def no_fallback(monkeypatch):
     """No fallback re-check during these tests: every wake is one the test caused."""
     monkeypatch.setattr(notifier, "fallback", 3600.0)
     monkeypatch.setattr(notifier, "_next_fallback", float("inf"))
+
+
+@pytest.fixture(autouse=True)
+def watcher_running():
+    """The wake-up watcher's catch-up wake at its start is behind every test."""
+    assert watch.ensure_running().wait(WAIT)
 
 
 def body(worker, wait):
@@ -151,4 +157,16 @@ def test_one_enqueue_wakes_one_of_many_waiters(clock, rounds):
     for thread in threads:
         thread.join(timeout=WAIT)
     assert [len(got[w.worker_id]) for w in workers] == [1, 0, 0, 0, 0]
+    assert len(rounds) == 1
+
+
+@pytest.mark.django_db
+def test_each_quiet_wait_renews_the_memo(api, clock, rounds, monkeypatch):
+    """A memo is trusted for QUIET_FOR seconds from the last time the worker
+    waited in line, not from its last claim: an idle fleet re-polling costs
+    no transaction however long it stays idle."""
+    monkeypatch.setattr(notifier, "QUIET_FOR", 0.15)
+    worker = register()
+    for _ in range(4):
+        assert api.post("claims", body(worker, 0.1)).json() == {"jobs": []}
     assert len(rounds) == 1

@@ -79,7 +79,6 @@ def test_the_document_lists_every_operation(schema):
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
 def test_generated_requests(schema, world, mode, settings):
-    settings.APIARY_CLAIM_POLL_INTERVAL = 0.001
     checks = CONFORMANCE + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
     statuses = []
     for label, operation in operations(schema).items():

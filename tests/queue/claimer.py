@@ -125,7 +125,7 @@ class _Worker(threading.Thread):
                 if not Job.objects.exclude(state__in=TERMINAL_JOB_STATES).exists():
                     return  # drained
                 # Everything left is held or over a limit: back off a moment, as a
-                # worker's poll interval would, instead of spinning on the write lock.
+                # worker waiting for a wake-up would, instead of spinning on the write lock.
                 with _report_lock:
                     self.report["empty_claims"] += 1
                 time.sleep(random.uniform(0.001, 0.005))

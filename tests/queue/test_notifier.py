@@ -75,7 +75,7 @@ def test_a_rewaiting_waiter_keeps_its_place(notifier):
     first, second = waiting(notifier, ("w1", ANY), ("w2", ANY))
     notifier.publish(Wake(requirements=1))
     assert fired([first, second]) == ["w1"]
-    first.rearm()  # its claim found nothing (another process took the job): it waits again
+    first.take()  # its claim found nothing (another process took the job): it waits again
     notifier.add(first)
     notifier.publish(Wake(requirements=1))
     assert first.wait(0) and not second.wait(0)
@@ -91,6 +91,49 @@ def test_a_delayed_wake_fires_when_due(clock):
     clock.now += 0.2
     notifier.tick()
     assert waiter.wait(0)
+
+
+def test_a_wake_carries_what_its_class_needs(notifier):
+    waiters = waiting(notifier, ("plain", ANY), ("gpu", GPU))
+    notifier.publish(Wake(requirements=99, needs=GPU))  # a class this process has not seen, described
+    assert fired(waiters) == ["gpu"]
+
+
+def test_a_blocked_waiter_hears_only_wakes_addressed_to_it(notifier, clock):
+    """A worker that is draining or at capacity must not take the wakes an
+    idle worker of its shape could use, nor the fallback's turns."""
+    full, idle = waiting(notifier, ("full", ANY), ("idle", ANY))
+    notifier.remove(full)
+    full.blocked = True
+    notifier.add(full)
+    notifier.publish(Wake(requirements=1))
+    assert fired([full, idle]) == ["idle"]
+    clock.now += 1.0
+    notifier.tick()
+    assert not full.wait(0)  # the fallback passes it by
+    notifier.publish(Wake(requirements=None, worker_id="full"))  # its undrain
+    assert full.wait(0)
+
+
+def test_a_waiter_leaving_gives_back_the_wake_it_did_not_use(notifier):
+    first, second = waiting(notifier, ("w1", ANY), ("w2", ANY))
+    notifier.publish(Wake(requirements=1))
+    assert fired([first, second]) == ["w1"]  # …just as w1's wait ran out
+    notifier.give_back(first)
+    assert second.wait(0)
+
+
+def test_the_fallback_turns_within_a_shape_too(notifier, clock):
+    waiters = waiting(notifier, ("w1", ANY), ("w2", ANY))
+    order = []
+    for _ in range(4):
+        clock.now += 1.0
+        notifier.tick()
+        woken = next(w for w in waiters if w.wait(0))
+        order.append(woken.worker_id)
+        woken.take()
+        notifier.add(woken)  # it found nothing and waits again
+    assert order == ["w1", "w2", "w1", "w2"]
 
 
 def test_the_fallback_wakes_one_waiter_per_shape_in_turn(notifier, clock):

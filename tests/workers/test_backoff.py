@@ -51,3 +51,7 @@ def test_a_long_outage_does_not_overflow_the_ceiling():
 def test_retry_after_is_read_as_delta_seconds_only(header, seconds):
     # An HTTP date would mean comparing this machine's clock with the control plane's.
     assert retry_after_of(header) == seconds
+
+
+def test_a_long_retry_after_is_cut_at_the_cap_even_spread():
+    assert delays(Backoff(base=0.5, cap=20.0, rand=lambda: 0.99), 2, retry_after=300.0) == [20.0, 20.0]

@@ -153,11 +153,10 @@ def transport_kind(request) -> str:
 
 @pytest.fixture(autouse=True)
 def control_plane(queue_config, clock, settings):
-    """The queue's settings, and the worker token and claim poll interval as
+    """The queue's settings, and the worker token as
     tests/api/conftest.py's `worker_token` sets them."""
     queue_config(lease_duration=LEASE, heartbeat_interval=BEAT, worker_timeout=LEASE)
     settings.APIARY_WORKER_TOKEN = CANARY
-    settings.APIARY_CLAIM_POLL_INTERVAL = 0.01
 
 
 @pytest.fixture
