@@ -87,6 +87,17 @@ Columns (rows of the table; with --repeat, the median of the runs):
   waiting costs. Statistics reach pg_stat_database when a backend flushes
   them (at most about a second late while busy), so short windows are rough.
   SQLite keeps no such counter: `—`.
+  `claim transactions/s (server side)`: with `--count-claim-rounds` (the
+  default) the control plane runs with `APIARY_LOG_LEVEL=DEBUG`, and the
+  DEBUG lines `apiary.queue.claims` logs once per claim transaction of a
+  long-poll (`claim round: worker <id>, <n> job(s)`, from every listener
+  process, into the control plane's log) are counted by their timestamps
+  inside the quiet window, on either backend. Code that logs no such line
+  (its jobqueue/longpoll.py lacks it: the polling long-poll before the
+  notifier, which ran a claim every ~0.3 s per waiting long-poll) gets `—`
+  and keeps its usual log level. `control-plane log`: its ERROR / CRITICAL
+  lines and tracebacks over the run, and DEBUG lines other than claim rounds
+  (these must stay few for the log level to be harmless).
 * `simulator CPU`: CPU seconds of this process (the simulated fleet) and of
   the enqueue helper over the run, and as a share of one core: the simulator
   shares the machine's cores with the control plane, so it should stay small.
@@ -384,6 +395,64 @@ def apiary(*words: str) -> list[str]:
     return [sys.executable, "-P", "-c", "from apiary_site.cli import main; main()", *words]
 
 
+CLAIM_LINE = "apiary.queue.claims claim round: "  # logger name and message of jobqueue/longpoll.py
+
+
+def logs_claim_rounds(tree: str) -> bool:
+    """Whether the code in `tree` logs one DEBUG line per claim transaction of a long-poll."""
+    try:
+        with open(os.path.join(tree, "jobqueue", "longpoll.py")) as f:
+            return "claim round: " in f.read()
+    except OSError:
+        return False
+
+
+def _log_time(line: str) -> float | None:
+    """The epoch seconds of a line in the settings' format (`%(asctime)s …`, local time), or None."""
+    try:
+        return dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None
+
+
+def scan_log(path: str, window: tuple[float, float]) -> dict:
+    """Claim-round lines in the control plane's log, in `window` (epoch seconds) and in all; other
+    DEBUG lines; ERROR/CRITICAL lines and tracebacks (with the first few of them)."""
+    out = {"claim_rounds_window": 0, "claim_rounds_total": 0, "debug_other": 0, "errors": 0, "error_samples": []}
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return out
+    for line in lines:
+        if CLAIM_LINE in line:
+            out["claim_rounds_total"] += 1
+            at = _log_time(line)
+            if at is not None and window[0] <= at < window[1]:
+                out["claim_rounds_window"] += 1
+        elif " DEBUG " in line[:40]:
+            out["debug_other"] += 1
+        elif " ERROR " in line[:40] or " CRITICAL " in line[:40] or line.startswith("Traceback"):
+            out["errors"] += 1
+            if len(out["error_samples"]) < 5:
+                out["error_samples"].append(line.rstrip()[:300])
+    return out
+    if True:
+        for line in lines:
+            if CLAIM_LINE in line:
+                out["claim_rounds_total"] += 1
+                at = _log_time(line)
+                if at is not None and window[0] <= at < window[1]:
+                    out["claim_rounds_window"] += 1
+            elif " DEBUG " in line[:40]:
+                out["debug_other"] += 1
+            elif " ERROR " in line[:40] or " CRITICAL " in line[:40] or line.startswith("Traceback"):
+                out["errors"] += 1
+                if len(out["error_samples"]) < 5:
+                    out["error_samples"].append(line.rstrip()[:300])
+    return out
+
+
 class ControlPlane:
     def __init__(self, root: str, args, *, backend: str, database_url: str | None, processes: int):
         self.root = root
@@ -393,6 +462,10 @@ class ControlPlane:
         env = {"APIARY_HTTP_WORKERS": str(processes)}
         if database_url:
             env["DATABASE_URL"] = database_url
+        # One DEBUG line per claim transaction of a long-poll (apiary.queue.claims), if the code logs it.
+        self.counts_claims = args.count_claim_rounds and logs_claim_rounds(args.source_tree)
+        if self.counts_claims:
+            env["APIARY_LOG_LEVEL"] = "DEBUG"
         env.update(dict(item.split("=", 1) for item in args.cp_env))
         self.env = child_env(args, env)
         self.proc: subprocess.Popen | None = None
@@ -798,6 +871,7 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
 
     requests = sum(1 for kind in KINDS for sent in fleet.sent[kind] if t_ramp <= sent <= t_done)
     window = (t_quiet, t_end)
+    wall = time.time() - time.monotonic()  # the control plane's log stamps wall-clock time
 
     def rate(kind: str) -> float:
         return sum(1 for sent in fleet.sent[kind] if window[0] <= sent < window[1]) / (window[1] - window[0])
@@ -826,6 +900,7 @@ async def simulate(args, cp: ControlPlane, pg_pid: int | None) -> dict:
         "loop_stalls": [[round(at - t_ramp, 1), round(lag, 2)] for at, lag in stalls],
         "helper_cpu_s": helper1 - helper0,
         "quiet_s": window[1] - window[0],
+        "quiet_wall": [window[0] + wall, window[1] + wall],
         "phases": {"steady": t_steady - t_ramp, "quiet": t_quiet - t_ramp, "end": t_end - t_ramp, "done": t_done - t_ramp},
         "quiet_claims_per_s": rate("claim"),
         "quiet_worker_hb_per_s": rate("worker_heartbeat"),
@@ -880,6 +955,11 @@ def one_run(args, backend: str, cluster, run: int) -> dict:
         result["processes"] = processes
         if cp.proc.poll() is not None:
             result["cp_exited"] = cp.proc.returncode
+        scan = scan_log(cp.log_path, tuple(result["quiet_wall"]))
+        result["cp_log"] = scan
+        result["quiet_claim_tx_per_s"] = scan["claim_rounds_window"] / result["quiet_s"] if cp.counts_claims else None
+        if scan["errors"]:
+            log(f"[{backend} #{run}] control-plane log: {scan['errors']} error line(s), e.g. {scan['error_samples'][0]}")
         log(f"[{backend} #{run}] {summary_line(result)}")
         return result
     finally:
@@ -939,9 +1019,13 @@ def scalars(r: dict) -> dict[str, float | None]:
         "registered", "busy_at_steady", "claims_with_job", "probes_picked", "probes_sent", "stale_live", "expired", "self_fenced", "superseded",
         "other_4xx", "5xx", "timeouts", "transport", "requests", "cp_cpu_s", "cp_cpu_per_1k", "cp_peak_rss_mib",
         "pg_cpu_per_1k", "pg_peak_rss_mib", "sim_cpu_s", "helper_cpu_s", "loop_lag_p99_ms", "loop_lag_max_ms", "wall_s", "quiet_claims_per_s",
-        "quiet_worker_hb_per_s", "quiet_attempt_hb_per_s", "quiet_xact_per_s", "processes",
+        "quiet_worker_hb_per_s", "quiet_attempt_hb_per_s", "quiet_xact_per_s", "processes", "quiet_claim_tx_per_s",
     ):
         out[key] = r.get(key)
+    scan = r.get("cp_log") or {}
+    out["cp_log_errors"] = scan.get("errors")
+    out["cp_log_debug_other"] = scan.get("debug_other")
+    out["claim_rounds_total"] = scan.get("claim_rounds_total") if r.get("quiet_claim_tx_per_s") is not None else None
     return out
 
 
@@ -994,6 +1078,18 @@ ROWS = [
         lambda m: f"{m['quiet_xact_per_s']:,.0f}" if m["quiet_xact_per_s"] is not None else "—",
     ),
     (
+        "**quiet window: claim transactions/s (server side)**",
+        lambda m: f"**{m['quiet_claim_tx_per_s']:,.1f}**" if m["quiet_claim_tx_per_s"] is not None else "—",
+    ),
+    (
+        "claim transactions, whole run (server side)",
+        lambda m: f"{m['claim_rounds_total']:,.0f}" if m["claim_rounds_total"] is not None else "—",
+    ),
+    (
+        "control-plane log: error lines / other DEBUG lines",
+        lambda m: f"{m['cp_log_errors']:,.0f} / {m['cp_log_debug_other']:,.0f}" if m["cp_log_errors"] is not None else "—",
+    ),
+    (
         "simulator CPU s: fleet + enqueue helper (% of a core)",
         lambda m: f"{m['sim_cpu_s']:.1f} + {m['helper_cpu_s']:.1f} ({(m['sim_cpu_s'] + m['helper_cpu_s']) / m['wall_s']:.0%})",
     ),
@@ -1006,6 +1102,7 @@ ROWS = [
 PER_RUN = [
     ("pickup p50 ms", "pickup_p50"), ("stale", "stale_live"), ("timeouts", "timeouts"),
     ("worker_heartbeat p99 ms", "worker_heartbeat_p99"), ("CP CPU s/1k", "cp_cpu_per_1k"),
+    ("quiet claim tx/s", "quiet_claim_tx_per_s"),
 ]
 
 
@@ -1038,6 +1135,13 @@ def render(results: dict[str, list[dict] | str]) -> str:
             for label, key in PER_RUN:
                 parts.append(f"{label} " + " / ".join(fmt_ms(f[key]) if f[key] is not None else "—" for f in flat))
             notes.append(f"per run, {backend}: " + "; ".join(parts))
+        if isinstance(runs, list) and runs and all(r.get("quiet_claim_tx_per_s") is None for r in runs):
+            notes.append(
+                f"{backend}: claim transactions/s —: this control plane logs no line per claim transaction"
+                " (or --no-count-claim-rounds); in the polling long-poll (before the notifier) each waiting"
+                " long-poll ran a claim every ~0.3 s (0.3 s × uniform(0.7, 1.5)), about 1,650 claim tx/s"
+                " measured for 500 idle workers in the issue"
+            )
         for r in runs if isinstance(runs, list) else []:
             if r.get("cp_exited") is not None:
                 notes.append(f"{backend}: the control plane exited ({r['cp_exited']}) during a run")
@@ -1101,6 +1205,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", metavar="PATH", help="also write the raw results to PATH")
     parser.add_argument("--keep", action="store_true", help="keep the temporary project (control plane log)")
+    parser.add_argument(
+        "--count-claim-rounds", action=argparse.BooleanOptionalAction, default=True,
+        help="run the control plane with APIARY_LOG_LEVEL=DEBUG and count its claim-round lines in the quiet window",
+    )
     args = parser.parse_args(argv)
     args.source_tree = os.path.abspath(args.source_tree)
     if args.busy > args.workers:
