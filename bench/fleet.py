@@ -96,8 +96,10 @@ Columns (rows of the table; with --repeat, the median of the runs):
   (its jobqueue/longpoll.py lacks it: the polling long-poll before the
   notifier, which ran a claim every ~0.3 s per waiting long-poll) gets `—`
   and keeps its usual log level. `control-plane log`: its ERROR / CRITICAL
-  lines and tracebacks over the run, and DEBUG lines other than claim rounds
-  (these must stay few for the log level to be harmless).
+  lines (gunicorn's `[CRITICAL] WORKER TIMEOUT` included) and tracebacks over
+  the run, its WARNING lines (lease expiries, a database pool timing out), and
+  DEBUG lines other than claim rounds (these must stay few for the log level
+  to be harmless).
 * `simulator CPU`: CPU seconds of this process (the simulated fleet) and of
   the enqueue helper over the run, and as a share of one core: the simulator
   shares the machine's cores with the control plane, so it should stay small.
@@ -396,6 +398,8 @@ def apiary(*words: str) -> list[str]:
 
 
 CLAIM_LINE = "apiary.queue.claims claim round: "  # logger name and message of jobqueue/longpoll.py
+# Django's format (`… ERROR apiary.api …`) and gunicorn's (`[…] [pid] [CRITICAL] WORKER TIMEOUT …`).
+ERROR_LEVELS = (" ERROR ", " CRITICAL ", "[ERROR]", "[CRITICAL]")
 
 
 def logs_claim_rounds(tree: str) -> bool:
@@ -418,7 +422,10 @@ def _log_time(line: str) -> float | None:
 def scan_log(path: str, window: tuple[float, float]) -> dict:
     """Claim-round lines in the control plane's log, in `window` (epoch seconds) and in all; other
     DEBUG lines; ERROR/CRITICAL lines and tracebacks (with the first few of them)."""
-    out = {"claim_rounds_window": 0, "claim_rounds_total": 0, "debug_other": 0, "errors": 0, "error_samples": []}
+    out = {
+        "claim_rounds_window": 0, "claim_rounds_total": 0, "debug_other": 0, "errors": 0, "warnings": 0,
+        "error_samples": [],
+    }
     try:
         with open(path, errors="replace") as f:
             lines = f.readlines()
@@ -432,10 +439,12 @@ def scan_log(path: str, window: tuple[float, float]) -> dict:
                 out["claim_rounds_window"] += 1
         elif " DEBUG " in line[:40]:
             out["debug_other"] += 1
-        elif " ERROR " in line[:40] or " CRITICAL " in line[:40] or line.startswith("Traceback"):
+        elif any(level in line[:48] for level in ERROR_LEVELS) or line.startswith("Traceback"):
             out["errors"] += 1
             if len(out["error_samples"]) < 5:
                 out["error_samples"].append(line.rstrip()[:300])
+        elif " WARNING " in line[:40] or "[WARNING]" in line[:48]:
+            out["warnings"] += 1
     return out
     if True:
         for line in lines:
@@ -1024,6 +1033,7 @@ def scalars(r: dict) -> dict[str, float | None]:
         out[key] = r.get(key)
     scan = r.get("cp_log") or {}
     out["cp_log_errors"] = scan.get("errors")
+    out["cp_log_warnings"] = scan.get("warnings")
     out["cp_log_debug_other"] = scan.get("debug_other")
     out["claim_rounds_total"] = scan.get("claim_rounds_total") if r.get("quiet_claim_tx_per_s") is not None else None
     return out
@@ -1086,8 +1096,10 @@ ROWS = [
         lambda m: f"{m['claim_rounds_total']:,.0f}" if m["claim_rounds_total"] is not None else "—",
     ),
     (
-        "control-plane log: error lines / other DEBUG lines",
-        lambda m: f"{m['cp_log_errors']:,.0f} / {m['cp_log_debug_other']:,.0f}" if m["cp_log_errors"] is not None else "—",
+        "control-plane log: error / warning / other DEBUG lines",
+        lambda m: f"{m['cp_log_errors']:,.0f} / {m['cp_log_warnings']:,.0f} / {m['cp_log_debug_other']:,.0f}"
+        if m["cp_log_errors"] is not None
+        else "—",
     ),
     (
         "simulator CPU s: fleet + enqueue helper (% of a core)",
@@ -1103,6 +1115,7 @@ PER_RUN = [
     ("pickup p50 ms", "pickup_p50"), ("stale", "stale_live"), ("timeouts", "timeouts"),
     ("worker_heartbeat p99 ms", "worker_heartbeat_p99"), ("CP CPU s/1k", "cp_cpu_per_1k"),
     ("quiet claim tx/s", "quiet_claim_tx_per_s"),
+    ("leases expired", "expired"), ("CP log errors", "cp_log_errors"),
 ]
 
 
