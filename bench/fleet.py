@@ -446,20 +446,7 @@ def scan_log(path: str, window: tuple[float, float]) -> dict:
         elif " WARNING " in line[:40] or "[WARNING]" in line[:48]:
             out["warnings"] += 1
     return out
-    if True:
-        for line in lines:
-            if CLAIM_LINE in line:
-                out["claim_rounds_total"] += 1
-                at = _log_time(line)
-                if at is not None and window[0] <= at < window[1]:
-                    out["claim_rounds_window"] += 1
-            elif " DEBUG " in line[:40]:
-                out["debug_other"] += 1
-            elif " ERROR " in line[:40] or " CRITICAL " in line[:40] or line.startswith("Traceback"):
-                out["errors"] += 1
-                if len(out["error_samples"]) < 5:
-                    out["error_samples"].append(line.rstrip()[:300])
-    return out
+
 
 
 class ControlPlane:
