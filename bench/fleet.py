@@ -448,7 +448,6 @@ def scan_log(path: str, window: tuple[float, float]) -> dict:
     return out
 
 
-
 class ControlPlane:
     def __init__(self, root: str, args, *, backend: str, database_url: str | None, processes: int):
         self.root = root
