@@ -32,3 +32,4 @@ def prepare_database(config: Config) -> None:
 def apply(config: Config) -> None:
     conf.configure(config.queue_config())
     settings.APIARY_WORKER_TOKEN = config.settings.queue.worker_token or ""
+    settings.APIARY_PREVIOUS_WORKER_TOKENS = config.settings.queue.previous_worker_tokens

@@ -673,6 +673,9 @@ class SimWorker:
             status, document = await self.fleet.call(self.quick, "register", "workers/register", body, 15)
             if status == 200:
                 self.session = document["session"]
+                if document.get("credential"):  # its own from now on (code before per-worker credentials gave none)
+                    for connection in (self.quick, self.poll):
+                        connection.auth = f"Bearer {document['credential']}"
                 self.hb = float(document.get("heartbeat_interval", self.hb))
                 self.lease = float(document.get("lease_duration", self.lease))
                 self.fleet.counts["registered"] += 1

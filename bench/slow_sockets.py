@@ -107,7 +107,8 @@ CAPABILITIES = ["apiary.workflow", "runner:shell"]
 
 
 def hold_attempt(url: str, token: str, pool: str) -> dict | None:
-    """Register a probe worker and claim one job: {"attempt_id", "token"}, or None when nothing came."""
+    """Register a probe worker and claim one job: {"attempt_id", "token", "credential"}, or None when nothing
+    came. `credential` is the probe worker's own (the shared token only enrols); older code gave none."""
     worker_id = f"slow-sockets-probe-{os.getpid()}"
     answer = requests.post(url + PROTOCOL + "workers/register", headers=auth(token), timeout=30, json={
         "worker_id": worker_id, "pool": pool, "labels": [], "capabilities": CAPABILITIES, "capacity": 1,
@@ -115,12 +116,13 @@ def hold_attempt(url: str, token: str, pool: str) -> dict | None:
     })
     answer.raise_for_status()
     session = answer.json()["session"]
+    token = answer.json().get("credential") or token
     answer = requests.post(url + PROTOCOL + "claims", headers=auth(token), timeout=45, json={
         "worker_id": worker_id, "session": session, "max_jobs": 1, "wait": 30,
     })
     answer.raise_for_status()
     jobs = answer.json()["jobs"]
-    return {"attempt_id": jobs[0]["attempt_id"], "token": jobs[0]["token"]} if jobs else None
+    return {"attempt_id": jobs[0]["attempt_id"], "token": jobs[0]["token"], "credential": token} if jobs else None
 
 
 # --------------------------------------------------------------------------- the sockets
@@ -236,7 +238,7 @@ class Probes:
                                          timeout=(self.timeout, self.timeout))
                 else:
                     answer = session.post(self.url + PROTOCOL + f"attempts/{self.attempt['attempt_id']}/heartbeat",
-                                          headers=auth(self.token), json={"token": self.attempt["token"]},
+                                          headers=auth(self.attempt["credential"]), json={"token": self.attempt["token"]},
                                           timeout=(self.timeout, self.timeout))
             result["status"] = answer.status_code
             result["latency"] = time.monotonic() - started

@@ -44,6 +44,11 @@ class QueueConfig:
     worker_timeout: float = 30.0
     max_attempts: int = 5
     limits: Limits = dataclasses.field(default_factory=Limits)
+    # Worker identity and budgets (README "Security").
+    enrollment: bool = True  # the shared worker token may enrol new worker ids
+    claim_rate: float = 20.0  # claim calls per second per worker id, per listener process...
+    claim_burst: int = 40  # ...after a burst of this many
+    forget_workers_after: float = 86400.0  # silent this long and never held an attempt: forgotten
 
     @property
     def lease(self) -> dt.timedelta:

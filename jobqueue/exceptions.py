@@ -36,3 +36,50 @@ class Unavailable(QueueError):
     """The database stayed locked or unreachable beyond the busy timeout."""
 
     code = "unavailable"
+
+
+class Forbidden(QueueError):
+    """The caller is authenticated but may not do this (PROTOCOL.md "Worker
+    identity"): each subclass is one documented reason, with its own code."""
+
+    code = "forbidden"
+
+
+class WorkerMismatch(Forbidden):
+    """A per-worker credential acts only as its own worker id."""
+
+    code = "worker_mismatch"
+
+
+class CredentialRequired(Forbidden):
+    """The call needs the worker id's own credential: the shared token only enrolls new ids."""
+
+    code = "credential_required"
+
+
+class CredentialRevoked(Forbidden):
+    """An operator revoked this worker id's credentials; only an operator can admit it again."""
+
+    code = "credential_revoked"
+
+
+class EnrollmentClosed(Forbidden):
+    """`settings.queue.enrollment: false`: the shared token enrolls no new worker."""
+
+    code = "enrollment_closed"
+
+
+class ReservedWorkerId(Forbidden):
+    """`embedded` belongs to the control plane's own worker."""
+
+    code = "reserved_worker_id"
+
+
+class RateLimited(QueueError):
+    """Too many calls of one kind from one worker; `retry_after` seconds until the next is accepted."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after: float, **details):
+        super().__init__(message, **details)
+        self.retry_after = retry_after

@@ -266,6 +266,30 @@ class Worker(models.Model):
         return self.worker_id
 
 
+class WorkerCredential(models.Model):
+    """A worker's own bearer credential, bound to its worker id (README
+    "Security"). Only the SHA-256 of the secret is kept; the secret is shown
+    once, to whoever it was issued to. Several may be valid for one id at a
+    time: that is the overlap of a rotation. Not a foreign key to Worker: an
+    operator may issue one before the worker ever registers, and a revoked
+    id keeps its rows (they are what refuses its re-enrolment)."""
+
+    worker_id = models.CharField(max_length=128)
+    digest = models.CharField(max_length=64, unique=True)
+    hint = models.CharField(max_length=16, help_text="the secret's first characters, to tell credentials apart")
+    issued_by = models.CharField(max_length=16, help_text="enrollment (the shared token) or operator")
+    created_at = models.DateTimeField()
+    last_used_at = models.DateTimeField(null=True, blank=True, help_text="its worker's last registration with a credential")
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["worker_id", "created_at"]
+        indexes = [models.Index(fields=["worker_id"], name="credential_worker")]
+
+    def __str__(self) -> str:
+        return f"{self.worker_id} {self.hint}…"
+
+
 class Wakeup(models.Model):
     """SQLite only: a wake-up for waiting claims, written in the transaction
     that made jobs claimable; every process's watcher reads the new rows

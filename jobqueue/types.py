@@ -14,6 +14,16 @@ import re
 WORKER_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 WORKER_ID_RE = re.compile(WORKER_ID_PATTERN)
 WORKER_ID_HINT = "1–128 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
+# A per-worker credential starts so; it tells one from a shared token at a glance (and to a leak scanner).
+CREDENTIAL_PREFIX = "apw_"
+EMBEDDED_ID = "embedded"  # the control plane's own in-process worker: reserved, no remote caller may use it
+
+# What a worker may say of itself at registration (PROTOCOL.md "POST workers/register"): enough for any
+# real machine, small enough that a registration costs the claim and `apiary status` nothing to speak of.
+MAX_CAPACITY = 256
+MAX_LABELS = 32
+MAX_CAPABILITIES = 64
+MAX_NAME_LENGTH = 128  # of a label, a capability or a pool (as apiary.yaml allows them)
 
 # The outcomes a worker may report for an attempt (AttemptState's terminal values but `expired`,
 # which only the control plane decides).

@@ -48,16 +48,18 @@ import time
 import requests
 from requests.adapters import HTTPAdapter
 
-from jobqueue.exceptions import InvalidRequest, NotFound, SessionSuperseded, StaleAttempt
-from jobqueue.types import CLAIM_FIELDS, Claim, Heartbeat
+from jobqueue.exceptions import Forbidden, InvalidRequest, NotFound, SessionSuperseded, StaleAttempt
+from jobqueue.types import CLAIM_FIELDS, CREDENTIAL_PREFIX, Claim, Heartbeat
 
 from .backoff import Backoff, retry_after_of
+from .credentials import CredentialFile
 from .transport import Registration, TransportError, Unauthorized, WorkerSpec
 
 log = logging.getLogger("apiary.worker")
 
 PROTOCOL_PATH = "/api/worker/v1/"
-RETRY_STATUSES = frozenset({502, 503, 504})  # the control plane (or its proxy) is briefly unavailable
+# The control plane (or its proxy) is briefly unavailable, or asks this worker to slow down (429).
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
 ERRORS = {
     "stale_attempt": StaleAttempt,
     "session_superseded": SessionSuperseded,
@@ -66,6 +68,7 @@ ERRORS = {
     "invalid_request": InvalidRequest,
     "unauthorized": Unauthorized,
     "payload_too_large": InvalidRequest,
+    **{error.code: error for error in Forbidden.__subclasses__()},
 }
 
 
@@ -96,12 +99,17 @@ def _claim_of(job: dict) -> Claim:
 def _session(*, token: str, pool: int) -> requests.Session:
     """A session for one concern: its own pool of `pool` keep-alive connections, no cookies."""
     session = requests.Session()
-    session.headers.update({"Authorization": f"Bearer {token}", "Accept": "application/json"})
+    session.headers.update({"Accept": "application/json"})
+    _authorize(session, token)
     session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
     adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool)
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     return session
+
+
+def _authorize(session: requests.Session, token: str) -> None:
+    session.headers["Authorization"] = f"Bearer {token}"
 
 
 class HttpTransport:
@@ -117,9 +125,15 @@ class HttpTransport:
         attempts: int = 1,
         capacity: int = 1,
         version: str = "",
+        credential_file: CredentialFile | None = None,
         sleep=time.sleep,
         rand=random.random,
     ):
+        """`token` is the shared worker token (it enrols this worker, whose
+        credential then goes to `credential_file`) or the worker's own
+        credential (`apw_…`, issued by an operator). A credential already in
+        `credential_file` is used from the first call: the outbox's finishes
+        go before registration."""
         self.base = base_url.rstrip("/") + PROTOCOL_PATH
         self.worker_id = worker_id
         self.connect_timeout = connect_timeout
@@ -129,6 +143,11 @@ class HttpTransport:
         self.beat_timeout = read_timeout  # one heartbeat interval, once registered
         self.sleep = sleep  # between attempts, when attempts > 1; tests pass a fake one
         self.rand = rand  # that backoff's jitter, uniform in [0, 1)
+        self.enrolment_token = None if token.startswith(CREDENTIAL_PREFIX) else token
+        self.credential_file = credential_file if self.enrolment_token else None
+        stored = self.credential_file.load() if self.credential_file else None
+        token = stored or token
+        self.using_stored = stored is not None
         self.claims = _session(token=token, pool=1)
         self.beats = _session(token=token, pool=2)
         self.calls = _session(token=token, pool=max(1, capacity))
@@ -193,8 +212,41 @@ class HttpTransport:
             self.sleep(backoff.failed(failure.retry_after))
         raise AssertionError("unreachable")
 
+    def _use(self, token: str) -> None:
+        """Authorise every later call with `token`. Only registration calls it,
+        before any other thread sends anything (the sessions are otherwise
+        never changed: see the module's note on thread safety)."""
+        for session in self.sessions:
+            _authorize(session, token)
+
     def register(self, spec: WorkerSpec) -> Registration:
-        answer = self._call(
+        try:
+            answer = self._register(spec)
+        except Unauthorized:
+            if not self.using_stored:
+                raise
+            # The stored credential is unknown (the control plane forgot this id) or revoked: enrol
+            # again with the shared token. A revoked id is refused there too, with its reason.
+            log.warning("the control plane refused this worker's stored credential; enrolling again")
+            self.credential_file.discard()
+            self.using_stored = False
+            self._use(self.enrolment_token)
+            answer = self._register(spec)
+        if answer.get("credential"):
+            if self.credential_file is not None:
+                self.credential_file.save(answer["credential"])
+                self.using_stored = True
+            self._use(answer["credential"])
+        self.beat_timeout = max(1.0, float(answer["heartbeat_interval"]))
+        return Registration(
+            session=answer["session"],
+            lease_duration=float(answer["lease_duration"]),
+            heartbeat_interval=float(answer["heartbeat_interval"]),
+            worker_timeout=float(answer["worker_timeout"]),
+        )
+
+    def _register(self, spec: WorkerSpec) -> dict:
+        return self._call(
             self.calls,
             "POST",
             "workers/register",
@@ -208,13 +260,6 @@ class HttpTransport:
                 "hostname": socket.gethostname(),
                 "pid": os.getpid(),
             },
-        )
-        self.beat_timeout = max(1.0, float(answer["heartbeat_interval"]))
-        return Registration(
-            session=answer["session"],
-            lease_duration=float(answer["lease_duration"]),
-            heartbeat_interval=float(answer["heartbeat_interval"]),
-            worker_timeout=float(answer["worker_timeout"]),
         )
 
     def worker_heartbeat(self, *, session: str, draining: bool, ready: bool) -> bool:

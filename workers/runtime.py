@@ -416,7 +416,8 @@ class WorkerRuntime:
         if verdict is Verdict.SUPERSEDED:
             self._fatal(f"another process registered worker id {self.spec.worker_id!r} ({exc}); exiting")
         else:
-            self._fatal(f"the control plane refused the worker token ({exc.message})")
+            what = "the worker token" if verdict is Verdict.UNAUTHORIZED and exc.code == "unauthorized" else "this worker"
+            self._fatal(f"the control plane refused {what} ({exc.code}: {exc.message})")
 
     def _fatal(self, why: str) -> None:
         """Stop for good: every runner is stopped and its result discarded, since

@@ -17,8 +17,6 @@ from jobqueue.exceptions import QueueError
 from jobqueue.longpoll import claim_with_wait
 from jobqueue.types import Claim, Heartbeat
 
-EMBEDDED_ID = "embedded"  # the worker id of the control plane's own in-process worker
-
 
 class TransportError(QueueError):
     """The control plane could not be reached (connection refused, timeout, 5xx); retryable."""

@@ -3,7 +3,7 @@ classifies a transport's errors (both transports raise the same domain errors)."
 
 import enum
 
-from jobqueue.exceptions import NotFound, QueueError, SessionSuperseded, StaleAttempt, Unavailable
+from jobqueue.exceptions import Forbidden, NotFound, QueueError, SessionSuperseded, StaleAttempt, Unavailable
 
 from .transport import TransportError, Unauthorized
 
@@ -14,7 +14,7 @@ class Verdict(enum.Enum):
     RETRY = "retry"  # the control plane could not answer now: try again later
     STALE = "stale"  # the attempt is no longer this worker's: stop its runner, drop its result
     SUPERSEDED = "superseded"  # another process registered this worker id: stop everything
-    UNAUTHORIZED = "unauthorized"  # the worker token was refused: stop everything
+    UNAUTHORIZED = "unauthorized"  # the token was refused, or may not act as this worker: stop everything
     REFUSED = "refused"  # the call was refused as malformed: sending it again cannot help
 
 
@@ -27,7 +27,7 @@ def classify(exc: QueueError) -> Verdict:
         return Verdict.STALE
     if isinstance(exc, SessionSuperseded):
         return Verdict.SUPERSEDED
-    if isinstance(exc, Unauthorized):
+    if isinstance(exc, Unauthorized | Forbidden):
         return Verdict.UNAUTHORIZED
     return Verdict.REFUSED
 

@@ -18,6 +18,7 @@ import time
 
 from django.db import DatabaseError, connections
 
+from jobqueue import conf
 from jobqueue import services as queue
 from jobqueue.clock import Clock
 from jobqueue.models import Job, JobState
@@ -31,6 +32,7 @@ log = logging.getLogger("apiary.controlplane")
 
 ITEM_KEY_MAX = Task._meta.get_field("item_key").max_length
 KEY_PREVIEW = 80  # characters of an item key quoted in a log line
+FORGET_INTERVAL = 600.0  # seconds between two looks for forgettable workers
 
 
 @dataclasses.dataclass
@@ -50,6 +52,7 @@ class ControlPlane:
         self.next_poll = dict.fromkeys(config.sources, 0.0)
         self.polled: set[str] = set()  # polled at least once, successfully or not
         self.next_reap = 0.0
+        self.next_forget = 0.0
         self._failed: set[str] = set()  # whose last poll failed
         self._running: dict[str, _Poll] = {}
 
@@ -64,6 +67,9 @@ class ControlPlane:
         if now >= self.next_reap:
             self.reap()
             self.next_reap = now + self.reap_interval
+        if now >= self.next_forget:
+            self.forget()
+            self.next_forget = now + FORGET_INTERVAL
 
     def collect(self) -> int:
         """Dispatch what the finished background polls found; returns the jobs created."""
@@ -154,6 +160,13 @@ class ControlPlane:
                 attempt.job_id, attempt.pk, attempt.number, attempt.worker_id, attempt.job.state,
             )
         return len(expired)
+
+    def forget(self) -> int:
+        """Drop registrations silent for `forget_workers_after` that never held an attempt."""
+        forgotten = queue.workers_forget(older_than=conf.current().forget_workers_after, clock=self.clock)
+        if forgotten:
+            log.info("forgot %d worker(s) silent for settings.queue.forget_workers_after that never ran a job", forgotten)
+        return forgotten
 
     def stuck(self) -> list[dict]:
         """Queued jobs that can never run as things stand: nothing is leased and

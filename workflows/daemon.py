@@ -14,10 +14,11 @@ import subprocess
 import threading
 
 from jobqueue.exceptions import Unavailable
+from jobqueue.types import EMBEDDED_ID
 from workers.pgroups import ProcessGroups
 from workers.runtime import WorkerRuntime
 from workers.signals import Signals
-from workers.transport import EMBEDDED_ID, InProcessTransport, WorkerSpec
+from workers.transport import InProcessTransport, WorkerSpec
 
 from . import runners
 from .config import Config

@@ -7,7 +7,8 @@ checks the token. For the worker protocol both are wrong: a long-poll would
 park a thread per waiting worker, and an anonymous client could make us
 store a body of any size. So requests under /api/worker/ are answered here:
 
-* the token is checked before the body is read, and the body is read at
+* the token is checked before the body is read (a per-worker credential's
+  lookup in the thread pool), and the body is read at
   most one byte past the protocol's limit (the view then answers 413; a
   declared Content-Length over it is answered without reading anything);
 * the DRF views run unchanged — the same validation, answers and errors as
@@ -39,14 +40,16 @@ from rest_framework import exceptions as drf
 from rest_framework.renderers import JSONRenderer
 
 from jobqueue import longpoll
+from jobqueue.services import credentials
 
 from . import serializers as s
-from .auth import WorkerTokenAuthentication
+from .auth import PRINCIPAL, WorkerPrincipal, bearer_of, principal_of
 from .errors import classify, error_body
 from .parsers import body_limit
 from .views import DEFER_CLAIM, PROTOCOL_VERSION, Deferred
 
 PREFIX = "/api/worker"
+CREDENTIAL_PREFIX = credentials.PREFIX.encode()
 CLAIMS = "/api/worker/v1/claims"
 API_THREADS = 16  # protocol calls other than waiting claims in flight at once, per process
 
@@ -84,7 +87,14 @@ async def _serve(django: ASGIHandler, finish, scope, receive, send) -> None:
     except DisallowedHost:
         await django.send_response(_json(error_body("invalid_request", "the Host header is not allowed"), 400), send)
         return
-    if _authenticated(request) and not _declared_too_large(request):  # the view answers both without a body
+    try:
+        principal = await _principal(request)
+    except Exception as exc:  # noqa: BLE001 - the credential's lookup failed (a database down): answered as the views do
+        status, code, message, details, headers = classify(exc)
+        await django.send_response(_json(error_body(code, message, details), status, headers), send)
+        return
+    authenticated = isinstance(principal, WorkerPrincipal)
+    if authenticated and not _declared_too_large(request):  # the view answers both without a body
         body = await _read_capped(receive)
         if body is None:
             return  # the client hung up
@@ -92,6 +102,7 @@ async def _serve(django: ASGIHandler, finish, scope, receive, send) -> None:
         if request is None:
             await django.send_response(_refused(error.status_code), send)
             return
+    request.META[PRINCIPAL] = principal  # the view's authentication takes it: no second lookup
     if scope["method"] == "POST" and scope["path"] == CLAIMS:
         request.META[DEFER_CLAIM] = True
         response = _call_view(request, close=False)  # validation only: no query on the loop
@@ -128,11 +139,26 @@ def _refused(status: int) -> HttpResponse:
     return _json(error_body("invalid_request", "malformed request"), 400)
 
 
-def _authenticated(request) -> bool:
+async def _principal(request) -> WorkerPrincipal | drf.AuthenticationFailed | None:
+    """Who the request is; the refusal, or None for no credentials (the view
+    answers 401 for both, without a body read). A credential's lookup is a
+    query, so it runs in the pool; the shared token's check is CPU only."""
     try:
-        return WorkerTokenAuthentication().authenticate(request) is not None
-    except drf.AuthenticationFailed:
-        return False
+        token = bearer_of(request)
+        if token is None:
+            return None
+        if token.startswith(CREDENTIAL_PREFIX):
+            return await longpoll.offload(_api_pool, _looked_up, token)
+        return principal_of(token)
+    except drf.AuthenticationFailed as refused:
+        return refused
+
+
+def _looked_up(token: bytes) -> WorkerPrincipal:
+    try:
+        return principal_of(token)
+    finally:
+        _release()
 
 
 async def _read_capped(receive) -> io.BytesIO | None:

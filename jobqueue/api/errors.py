@@ -21,6 +21,7 @@ from rest_framework.views import set_rollback
 from jobqueue import exceptions as domain
 
 from .auth import AUTHENTICATE
+from .throttle import retry_after_header
 
 log = logging.getLogger("apiary.api")
 
@@ -31,18 +32,21 @@ DOMAIN_STATUS = {
     domain.StaleAttempt.code: status.HTTP_409_CONFLICT,
     domain.SessionSuperseded.code: status.HTTP_409_CONFLICT,
     domain.Unavailable.code: status.HTTP_503_SERVICE_UNAVAILABLE,
+    **{error.code: status.HTTP_403_FORBIDDEN for error in domain.Forbidden.__subclasses__()},
 }
 
 # Every code the protocol answers with (the OpenAPI document lists them).
 CODES = (
     "invalid_request",
     "unauthorized",
+    *(error.code for error in domain.Forbidden.__subclasses__()),
     "not_found",
     "unsupported_protocol",
     "method_not_allowed",
     "stale_attempt",
     "session_superseded",
     "payload_too_large",
+    "rate_limited",
     "unavailable",
     "internal_error",
 )
@@ -98,6 +102,10 @@ def classify(exc: Exception) -> tuple[int, str, str, dict, dict]:
     if isinstance(exc, domain.Unavailable):
         log.warning("%s", exc.message)
         return 503, "unavailable", "the database is busy or down; retry with backoff", {}, {"Retry-After": RETRY_AFTER}
+    if isinstance(exc, domain.RateLimited):
+        return 429, exc.code, exc.message, {"retry_after": round(exc.retry_after, 3)}, {
+            "Retry-After": retry_after_header(exc.retry_after)
+        }
     if isinstance(exc, domain.QueueError) and exc.code in DOMAIN_STATUS:
         details = dict(exc.details)
         if isinstance(exc, domain.InvalidRequest) and "field" in details:

@@ -12,7 +12,14 @@ class WorkerTokenScheme(OpenApiAuthenticationExtension):
     name = "workerToken"
 
     def get_security_definition(self, auto_schema):
-        return {"type": "http", "scheme": "bearer", "description": "the control plane's worker_token"}
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": (
+                "a worker's own credential (`apw_…`, acting as its worker id), or the control plane's shared "
+                "worker_token, which only registers new workers and reads status"
+            ),
+        }
 
 
 PROTOCOL_HEADER = OpenApiParameter(
@@ -39,11 +46,20 @@ def _error(text: str) -> OpenApiResponse:
     return OpenApiResponse(ErrorResponse, description=text)
 
 
-def responses(ok, description: str, *, not_found: str = "", conflict: str = "", body: bool = True) -> dict:
+def responses(
+    ok,
+    description: str,
+    *,
+    not_found: str = "",
+    conflict: str = "",
+    forbidden: str = "",
+    rate_limited: str = "",
+    body: bool = True,
+) -> dict:
     """The 200 answer plus every error the endpoint can give (PROTOCOL.md "Errors")."""
     answers = {
         200: OpenApiResponse(ok, description=description),
-        401: _error("`unauthorized`: missing, malformed or wrong worker token"),
+        401: _error("`unauthorized`: missing, malformed or wrong worker token, or an unknown or revoked credential"),
         404: _error(not_found or "`not_found` / `unsupported_protocol`: no such path in protocol 1"),
         503: _error("`unavailable`: the database is busy or down; retry with backoff"),
     }
@@ -52,6 +68,10 @@ def responses(ok, description: str, *, not_found: str = "", conflict: str = "", 
         answers[413] = _error("`payload_too_large`: the body is over the limit (1 MiB)")
     if conflict:
         answers[409] = _error(conflict)
+    if forbidden:
+        answers[403] = _error(forbidden)
+    if rate_limited:
+        answers[429] = _error(rate_limited)
     return answers
 
 

@@ -14,7 +14,15 @@ from django.core.validators import RegexValidator
 from rest_framework import serializers
 
 from jobqueue.models import JobState
-from jobqueue.types import OUTCOMES, WORKER_ID_PATTERN, Claim
+from jobqueue.types import (
+    MAX_CAPABILITIES,
+    MAX_CAPACITY,
+    MAX_LABELS,
+    MAX_NAME_LENGTH,
+    OUTCOMES,
+    WORKER_ID_PATTERN,
+    Claim,
+)
 
 from .errors import CODES
 
@@ -92,9 +100,11 @@ def _session() -> StrictCharField:
     )
 
 
-def _names(**kwargs) -> serializers.ListField:
+def _names(most: int, **kwargs) -> serializers.ListField:
     """Labels and capabilities."""
-    return serializers.ListField(child=StrictCharField(max_length=128), max_length=256, **kwargs)
+    return serializers.ListField(
+        child=StrictCharField(max_length=MAX_NAME_LENGTH, trim_whitespace=False), max_length=most, **kwargs
+    )
 
 
 # --------------------------------------------------------------------------- requests
@@ -104,10 +114,10 @@ class RegisterSerializer(StrictSerializer):
     """POST workers/register."""
 
     worker_id = _worker_id()
-    pool = StrictCharField(max_length=128, allow_null=True, required=False, default=None)
-    labels = _names(required=False, default=list)
-    capabilities = _names(required=False, default=list)
-    capacity = StrictIntegerField(min_value=1, max_value=MAX_INT)
+    pool = StrictCharField(max_length=MAX_NAME_LENGTH, allow_null=True, required=False, default=None)
+    labels = _names(MAX_LABELS, required=False, default=list)
+    capabilities = _names(MAX_CAPABILITIES, required=False, default=list)
+    capacity = StrictIntegerField(min_value=1, max_value=MAX_CAPACITY)
     version = StrictCharField(max_length=64, allow_blank=True, required=False, default="")
     hostname = StrictCharField(max_length=255, allow_blank=True, required=False, default="")
     pid = StrictIntegerField(min_value=0, max_value=MAX_INT, allow_null=True, required=False, default=None)
@@ -168,6 +178,11 @@ class WorkerView(serializers.Serializer):
 
 
 class RegisterResponse(serializers.Serializer):
+    credential = serializers.CharField(
+        allow_null=True,
+        help_text="the worker's own credential, shown this once, when the shared token enrolled it; "
+        "null when the worker registered with its credential. Use it as the Bearer token of every later call.",
+    )
     session = serializers.CharField()
     protocol = serializers.ChoiceField(choices=[1])
     lease_duration = serializers.FloatField()

@@ -19,13 +19,16 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobqueue import conf, selectors, services
+from jobqueue.exceptions import CredentialRequired
 from jobqueue.longpoll import claim_with_wait
+from jobqueue.services.workers import acting_as
 
 from . import serializers as s
 from .auth import WorkerTokenAuthentication
 from .errors import UnsupportedProtocol
 from .parsers import ProtocolJSONParser, buffer_body
 from .schema import AUTHENTICATE_HEADER, PROTOCOL_HEADER, responses
+from .throttle import claims as claim_budget
 
 PROTOCOL_VERSION = 1
 DEFER_CLAIM = "apiary.defer_claim"  # request.META flag: ClaimView validates, returns a Deferred
@@ -72,6 +75,21 @@ class ProtocolView(ProtocolMixin, APIView):
         return serializer.validated_data
 
 
+def credential_of(request) -> str:
+    """The worker id the request's credential acts as; the shared token only enrols."""
+    worker_id = request.user.worker_id
+    if worker_id is None:
+        raise CredentialRequired(
+            "this call needs the worker's own credential; the shared worker token only registers new workers"
+        )
+    return worker_id
+
+
+def as_worker(request, worker_id: str) -> None:
+    """The call names `worker_id`: the request's credential must be that worker's."""
+    acting_as(worker_id, credential_of(request))
+
+
 def _schema(operation_id: str, request, ok, description: str, **errors):
     return extend_schema(
         operation_id=operation_id,
@@ -82,6 +100,15 @@ def _schema(operation_id: str, request, ok, description: str, **errors):
 
 
 UNKNOWN_WORKER = "`not_found`: the worker id is not registered"
+FORBIDDEN = (
+    "`worker_mismatch`: the credential is another worker's; `credential_required`: the shared token "
+    "cannot act as a worker"
+)
+REGISTER_FORBIDDEN = (
+    "`reserved_worker_id`, `enrollment_closed`, `credential_required` (the id is enrolled or held by a live "
+    "process: register with its credential), `credential_revoked`, `worker_mismatch`"
+)
+RATE_LIMITED = "`rate_limited`: over the worker's claim budget; `Retry-After` says when to try again"
 UNKNOWN_ATTEMPT = "`not_found`: no such attempt"
 SUPERSEDED = "`session_superseded`: the worker id was registered again by a newer process"
 STALE = (
@@ -93,11 +120,23 @@ ATTEMPT_ID = OpenApiParameter("attempt_id", str, OpenApiParameter.PATH, pattern=
 
 
 class RegisterView(ProtocolView):
-    @_schema("workers_register", s.RegisterSerializer, s.RegisterResponse, "a new session for the worker id")
+    @_schema(
+        "workers_register",
+        s.RegisterSerializer,
+        s.RegisterResponse,
+        "a new session for the worker id; `credential` is its new credential when the shared token enrolled it",
+        forbidden=REGISTER_FORBIDDEN,
+    )
     def post(self, request):
-        worker = services.worker_register(**self.validated(s.RegisterSerializer, request))
+        registration = self.validated(s.RegisterSerializer, request)
+        credential = None
+        if request.user.worker_id is None:  # the shared token: enrolment of a new id
+            worker, credential = services.worker_enroll(**registration)
+        else:
+            worker = services.worker_reregister(acting_as=request.user.worker_id, **registration)
         cfg = conf.current()
         answer = {
+            "credential": credential,
             "session": worker.session,
             "protocol": PROTOCOL_VERSION,
             "lease_duration": cfg.lease_duration,
@@ -117,8 +156,10 @@ class WorkerHeartbeatView(ProtocolView):
         "`drain: true` when an operator asked this worker to drain",
         not_found=UNKNOWN_WORKER,
         conflict=SUPERSEDED,
+        forbidden=FORBIDDEN,
     )
     def post(self, request, worker_id: str):
+        as_worker(request, worker_id)
         data = self.validated(s.WorkerHeartbeatSerializer, request)
         worker = services.worker_heartbeat(worker_id=worker_id, **data)
         return Response(s.WorkerHeartbeatResponse({"drain": worker.drain_requested}).data)
@@ -132,9 +173,13 @@ class ClaimView(ProtocolView):
         "leased jobs, possibly none; never beyond the worker's free capacity",
         not_found=UNKNOWN_WORKER,
         conflict=SUPERSEDED,
+        forbidden=FORBIDDEN,
+        rate_limited=RATE_LIMITED,
     )
     def post(self, request):
         arguments = self.validated(s.ClaimSerializer, request)
+        as_worker(request, arguments["worker_id"])
+        claim_budget.charge(arguments["worker_id"])
         if request.META.get(DEFER_CLAIM):  # the ASGI endpoint long-polls itself (api/asgi.py)
             return Deferred(arguments)
         claims = claim_with_wait(**arguments)
@@ -158,10 +203,11 @@ class AttemptHeartbeatView(ProtocolView):
         "the lease is extended; `cancel: true` means stop the runner and finish `cancelled`",
         not_found=UNKNOWN_ATTEMPT,
         conflict=STALE,
+        forbidden=FORBIDDEN,
     )
     def post(self, request, attempt_id: str):
         data = self.validated(s.AttemptHeartbeatSerializer, request)
-        beat = services.attempt_heartbeat(attempt_id=int(attempt_id), **data)
+        beat = services.attempt_heartbeat(attempt_id=int(attempt_id), acting_as=credential_of(request), **data)
         return Response(s.AttemptHeartbeatResponse(beat).data)
 
 
@@ -174,10 +220,11 @@ class FinishView(ProtocolView):
         "the job's resulting state; the same finish again gets the same answer",
         not_found=UNKNOWN_ATTEMPT,
         conflict=STALE,
+        forbidden=FORBIDDEN,
     )
     def post(self, request, attempt_id: str):
         data = self.validated(s.FinishSerializer, request)
-        job_state = services.attempt_finish(attempt_id=int(attempt_id), **data)
+        job_state = services.attempt_finish(attempt_id=int(attempt_id), acting_as=credential_of(request), **data)
         return Response(s.FinishResponse({"job_state": job_state}).data)
 
 

@@ -10,7 +10,9 @@ transaction. Job and attempt states move only through
     jobs.py       job_enqueue (and job_enqueue_in, inside a caller's transaction), job_cancel
     claiming.py   jobs_claim (claim_round: the same, with what a long-poll needs to wait)
     attempts.py   attempt_heartbeat, attempt_finish, attempt_abandon, leases_expire, reconcile
-    workers.py    worker_register, worker_heartbeat, worker_drain, worker_undrain
+    workers.py    worker_register, worker_heartbeat, worker_drain, worker_undrain, workers_forget
+    credentials.py  worker_enroll, worker_reregister (who may register an id), credential_issue,
+                  credentials_revoke
     affinity.py   affinity_release (and the pin a claim takes)
 """
 
@@ -18,8 +20,9 @@ from .affinity import affinity_release
 from .attempts import attempt_abandon, attempt_finish, attempt_heartbeat, leases_expire, reconcile
 from .claiming import claim_round, jobs_claim, requirement_cache
 from .common import hash_token
+from .credentials import credential_issue, credentials_revoke, worker_enroll, worker_reregister
 from .jobs import job_cancel, job_enqueue, job_enqueue_in
-from .workers import worker_drain, worker_heartbeat, worker_register, worker_undrain
+from .workers import worker_drain, worker_heartbeat, worker_register, worker_undrain, workers_forget
 
 __all__ = [
     "attempt_abandon",
@@ -27,6 +30,8 @@ __all__ = [
     "attempt_finish",
     "attempt_heartbeat",
     "claim_round",
+    "credential_issue",
+    "credentials_revoke",
     "hash_token",
     "job_cancel",
     "job_enqueue",
@@ -36,7 +41,10 @@ __all__ = [
     "reconcile",
     "requirement_cache",
     "worker_drain",
+    "worker_enroll",
     "worker_heartbeat",
     "worker_register",
+    "worker_reregister",
     "worker_undrain",
+    "workers_forget",
 ]

@@ -10,7 +10,7 @@ from django.db import connection
 
 from .. import conf, sql
 from ..clock import Clock
-from ..exceptions import InvalidRequest, NotFound, SessionSuperseded, StaleAttempt
+from ..exceptions import InvalidRequest, NotFound, SessionSuperseded, StaleAttempt, WorkerMismatch
 from ..models import Attempt, AttemptState, JobState
 from ..text import clean
 from ..types import OUTCOMES, Heartbeat
@@ -41,14 +41,22 @@ class _Fenced:
     requirements_id: int
 
 
-def _fenced(cursor, attempt_id: int, token: str, n_ow) -> _Fenced:
-    """The attempt, when `token` is its token; StaleAttempt or NotFound otherwise."""
+def _fenced(cursor, attempt_id: int, token: str, n_ow, acting_as: str | None = None) -> _Fenced:
+    """The attempt, when `token` is its token; StaleAttempt or NotFound
+    otherwise. With `acting_as` (the worker id of the caller's credential),
+    WorkerMismatch unless the attempt is that worker's."""
     row = sql.one(cursor, sql.fenced_attempt(postgres()), [n_ow, attempt_id])
     if row is None:
         raise NotFound(f"attempt {attempt_id} does not exist", attempt_id=attempt_id)
     if not hmac.compare_digest(row[0], hash_token(token)):
         raise StaleAttempt(f"the token does not match attempt {attempt_id}", attempt_id=attempt_id)
-    return _Fenced(*row[1:])
+    fenced = _Fenced(*row[1:])
+    if acting_as is not None and acting_as != fenced.worker_id:
+        raise WorkerMismatch(
+            f"attempt {attempt_id} belongs to worker {fenced.worker_id!r}, not to this credential's {acting_as!r}",
+            attempt_id=attempt_id,
+        )
+    return fenced
 
 
 def _require_live(attempt_id: int, a: _Fenced) -> None:
@@ -66,11 +74,13 @@ def _require_live(attempt_id: int, a: _Fenced) -> None:
 
 
 @service
-def attempt_heartbeat(*, attempt_id: int, token: str, clock: Clock | None = None) -> Heartbeat:
+def attempt_heartbeat(
+    *, attempt_id: int, token: str, acting_as: str | None = None, clock: Clock | None = None
+) -> Heartbeat:
     """Extend the lease to now + lease_duration; answers whether a cancel was requested."""
     now = now_of(clock)
     with connection.cursor() as cursor:
-        a = _fenced(cursor, attempt_id, token, sql.ts(now))
+        a = _fenced(cursor, attempt_id, token, sql.ts(now), acting_as)
         _require_live(attempt_id, a)
         expires = now + conf.current().lease
         checked(cursor, sql.EXTEND_LEASE, [sql.ts(expires), sql.ts(now), attempt_id], f"lease of attempt {attempt_id}")
@@ -91,6 +101,7 @@ def attempt_finish(
     outcome: str,
     summary: dict | None = None,
     error: str | None = None,
+    acting_as: str | None = None,
     clock: Clock | None = None,
 ) -> str:
     """End the attempt with the worker's outcome; returns the job's resulting
@@ -103,7 +114,7 @@ def attempt_finish(
     now = now_of(clock)
     summary, error = summary or {}, clean(error or "")
     with connection.cursor() as cursor:
-        a = _fenced(cursor, attempt_id, token, sql.ts(now))
+        a = _fenced(cursor, attempt_id, token, sql.ts(now), acting_as)
         if a.state == outcome and a.job_state_after:  # the same finish again
             return a.job_state_after
         _require_live(attempt_id, a)

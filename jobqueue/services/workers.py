@@ -1,5 +1,6 @@
-"""The worker registry: registration (a new session), heartbeats, drain."""
+"""The worker registry: registration (a new session), heartbeats, drain, forgetting."""
 
+import datetime as dt
 import hmac
 import secrets
 from collections.abc import Iterable
@@ -7,9 +8,17 @@ from collections.abc import Iterable
 from django.db import connection
 
 from ..clock import Clock
-from ..exceptions import InvalidRequest, NotFound, SessionSuperseded
-from ..models import Attempt, AttemptState, Worker
-from ..types import WORKER_ID_PATTERN, WORKER_ID_RE
+from ..exceptions import InvalidRequest, NotFound, ReservedWorkerId, SessionSuperseded, WorkerMismatch
+from ..models import Attempt, AttemptState, Worker, WorkerCredential
+from ..types import (
+    EMBEDDED_ID,
+    MAX_CAPABILITIES,
+    MAX_CAPACITY,
+    MAX_LABELS,
+    MAX_NAME_LENGTH,
+    WORKER_ID_PATTERN,
+    WORKER_ID_RE,
+)
 from ..wakeup import Wake
 from ..wakeup.emit import emit
 from .attempts import expire
@@ -25,9 +34,26 @@ def _worker_for_call(worker_id: str, session: str) -> Worker:
     return worker
 
 
-@service
-def worker_register(
+def refuse_reserved(worker_id: str) -> None:
+    if worker_id == EMBEDDED_ID:
+        raise ReservedWorkerId(
+            f"worker id {EMBEDDED_ID!r} is reserved for the control plane's embedded worker", worker_id=worker_id
+        )
+
+
+def _names(values: Iterable[str], field: str, most: int) -> list[str]:
+    names = sorted(set(values))
+    if len(names) > most:
+        raise InvalidRequest(f"{field}: at most {most} values, got {len(names)}", field=field)
+    for name in names:
+        if not name or len(name) > MAX_NAME_LENGTH:
+            raise InvalidRequest(f"{field}: each value 1–{MAX_NAME_LENGTH} characters, got {name[:80]!r}", field=field)
+    return names
+
+
+def register(
     *,
+    now: dt.datetime,
     worker_id: str,
     pool: str | None = None,
     labels: Iterable[str] = (),
@@ -37,22 +63,27 @@ def worker_register(
     version: str = "",
     hostname: str = "",
     pid: int | None = None,
-    clock: Clock | None = None,
 ) -> Worker:
-    """Start a new session for the worker id. Attempts the id still holds are
-    expired at once: the process that held them is gone."""
+    """A new session for the worker id, inside the caller's transaction (the
+    services that decide who may register call it). Attempts the id still
+    holds are expired at once: the process that held them is gone."""
     if not WORKER_ID_RE.fullmatch(worker_id or ""):
         raise InvalidRequest(f"worker id {worker_id!r} must match {WORKER_ID_PATTERN}", field="worker_id")
-    if capacity < 1:
-        raise InvalidRequest(f"capacity must be at least 1, got {capacity}", field="capacity")
-    now = now_of(clock)
+    if not embedded:
+        refuse_reserved(worker_id)
+    if not 1 <= capacity <= MAX_CAPACITY:
+        raise InvalidRequest(f"capacity must be 1–{MAX_CAPACITY}, got {capacity}", field="capacity")
+    if pool is not None and len(pool) > MAX_NAME_LENGTH:
+        raise InvalidRequest(f"pool: at most {MAX_NAME_LENGTH} characters", field="pool")
+    labels = _names(labels, "labels", MAX_LABELS)
+    capabilities = _names(capabilities, "capabilities", MAX_CAPABILITIES)
     held = Attempt.objects.select_related("job").filter(worker_id=worker_id, state=AttemptState.ACTIVE)
     if postgres():
         held = held.select_for_update(of=("self", "job"))
     worker_fields = dict(
         pool=pool or None,
-        labels=sorted(set(labels)),
-        capabilities=sorted(set(capabilities)),
+        labels=labels,
+        capabilities=capabilities,
         capacity=capacity,
         session=secrets.token_hex(16),
         embedded=embedded,
@@ -69,6 +100,41 @@ def worker_register(
     for attempt in held:
         expire(attempt, now, f"worker {worker_id} registered a new session")
     return worker
+
+
+@service
+def worker_register(*, clock: Clock | None = None, **registration) -> Worker:
+    """Register with no identity check: the embedded worker, and tests. Remote
+    workers come in through `worker_enroll` or `worker_reregister`
+    (services/credentials.py), which decide who may register an id first."""
+    return register(now=now_of(clock), **registration)
+
+
+@service
+def workers_forget(*, older_than: float, clock: Clock | None = None) -> int:
+    """Delete the workers that have been silent for `older_than` seconds and
+    never held an attempt (registrations that claimed nothing), with their
+    credentials unless revoked (a revoked id stays refused). Workers with
+    attempts stay: their rows are the attempts' history. Returns how many."""
+    cutoff = now_of(clock) - dt.timedelta(seconds=older_than)
+    silent = Worker.objects.filter(last_heartbeat_at__lt=cutoff, embedded=False).exclude(
+        worker_id__in=Attempt.objects.values("worker_id")
+    )
+    ids = list(silent.values_list("worker_id", flat=True)[:1000])
+    if not ids:
+        return 0
+    WorkerCredential.objects.filter(worker_id__in=ids, revoked_at__isnull=True).delete()
+    Worker.objects.filter(worker_id__in=ids, last_heartbeat_at__lt=cutoff).delete()
+    return len(ids)
+
+
+def acting_as(worker_id: str, principal: str | None) -> None:
+    """A per-worker credential (`principal`, its worker id) acts only as its own id."""
+    if principal != worker_id:
+        raise WorkerMismatch(
+            f"this credential belongs to worker {principal!r}; it cannot act as worker {worker_id!r}",
+            worker_id=worker_id,
+        )
 
 
 @service

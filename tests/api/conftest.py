@@ -7,6 +7,7 @@ is checked for it when the test ends.
 """
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.db import DatabaseError
 from django.test import Client
 from django.test.client import ClientHandler
 from requests.structures import CaseInsensitiveDict
@@ -24,6 +26,7 @@ from workflows.models import Task, WorkflowInstance
 
 CANARY = "canary-wt-5c1f0e7b9a2d4863b1e8"
 BASE = "/api/worker/v1/"
+AUTO = object()  # the token a call needs: the named worker's credential, else the shared (canary) token
 
 QUEUE_MODELS = (Job, Attempt, JobEvent, Worker, Affinity, WorkflowInstance, Task, RequirementSet)
 
@@ -87,13 +90,70 @@ def check_response(status: int, headers, content: bytes) -> None:
         assert headers.get("WWW-Authenticate", "").startswith("Bearer"), dict(headers)
 
 
+_credentials: dict[str, str] = {}  # worker id -> its credential, for this test (see `credential_for`)
+
+
+@pytest.fixture(autouse=True)
+def _forget_credentials():
+    _credentials.clear()
+    yield
+    _credentials.clear()
+
+
+def credential_for(worker_id: str) -> str:
+    """A credential of `worker_id` (issued by the service, as an operator would), the same for the whole test."""
+    from jobqueue import services
+
+    if worker_id not in _credentials:
+        _credentials[worker_id] = services.credential_issue(worker_id=worker_id)[1]
+    return _credentials[worker_id]
+
+
+def _worker_named(path: str, body) -> str | None:
+    """The worker a protocol call acts as: in its path, its body, or its attempt's row."""
+    parts = path.removeprefix(BASE).split("?")[0].split("/")
+    if parts[0] == "workers" and len(parts) == 3:
+        return parts[1]
+    if parts[0] == "attempts" and len(parts) == 3:
+        owner = None
+        if parts[1].isdigit() and int(parts[1]) < 2**63:
+            with contextlib.suppress(DatabaseError):  # a test making every query fail: the call gets its 503
+                owner = Attempt.objects.filter(pk=int(parts[1])).values_list("worker_id", flat=True).first()
+        return owner or "a-worker"  # an attempt of no worker: any worker may ask about it
+    if parts[0] in ("claims", "workers") and isinstance(body, dict) and isinstance(body.get("worker_id"), str):
+        return body["worker_id"]
+    return None
+
+
+def token_for(path: str, body) -> str:
+    """What a worker would send: its credential once it has one, the shared token to enrol."""
+    worker_id = _worker_named(path, body)
+    if worker_id is None or worker_id == "embedded":
+        return CANARY
+    if path.removeprefix(BASE).startswith("workers/register") and worker_id not in _credentials:
+        return CANARY
+    return credential_for(worker_id)
+
+
+def remember(path: str, body, response) -> None:
+    """Keep the credential an enrolment answered with."""
+    if path.removeprefix(BASE).startswith("workers/register") and response.status_code == 200:
+        credential = response.json().get("credential")
+        if credential:
+            _credentials[body["worker_id"]] = credential
+
+
 class Api:
-    """The Django test client, authenticated with the canary token, checking every answer."""
+    """The Django test client, authenticated as a worker would be (`AUTO`:
+    the shared canary token to enrol, then the worker's credential),
+    checking every answer."""
 
     def __init__(self):
         self.client = Client()
 
-    def _headers(self, token, headers):
+    def _headers(self, token, headers, path: str = "", body=None):
+        if token is AUTO:
+            token = token_for(path, body)
         extra = {} if token is None else {"HTTP_AUTHORIZATION": f"Bearer {token}"}
         extra.update(headers or {})
         return extra
@@ -104,23 +164,26 @@ class Api:
         body=None,
         *,
         raw: bytes | None = None,
-        token: str | None = CANARY,
+        token=AUTO,
         headers=None,
         content_type="application/json",
     ):
         data = raw if raw is not None else json.dumps(body if body is not None else {})
-        response = self.client.post(BASE + path, data, content_type=content_type, **self._headers(token, headers))
+        meta = self._headers(token, headers, BASE + path, body)
+        response = self.client.post(BASE + path, data, content_type=content_type, **meta)
         check_response(response.status_code, response.headers, response.content)
+        remember(BASE + path, body, response)
         return response
 
-    def get(self, path: str, *, token: str | None = CANARY, headers=None, absolute=False):
-        response = self.client.get(path if absolute else BASE + path, **self._headers(token, headers))
+    def get(self, path: str, *, token=AUTO, headers=None, absolute=False):
+        full = path if absolute else BASE + path
+        response = self.client.get(full, **self._headers(token, headers, full))
         check_response(response.status_code, response.headers, response.content)
         return response
 
     def request(self, method: str, path: str, **kwargs):
         """Any method, any absolute path."""
-        headers = self._headers(kwargs.pop("token", CANARY), kwargs.pop("headers", None))
+        headers = self._headers(kwargs.pop("token", AUTO), kwargs.pop("headers", None), path)
         response = self.client.generic(method, path, **kwargs, **headers)
         check_response(response.status_code, response.headers, response.content)
         return response
@@ -146,16 +209,20 @@ class AsgiApi(Api):
         self.app = asgi.with_worker_protocol(ASGIHandler())
         self.client = UncheckedAsgiClient(self.app)
 
-    def post(self, path, body=None, *, raw=None, token=CANARY, headers=None, content_type="application/json"):
+    def post(self, path, body=None, *, raw=None, token=AUTO, headers=None, content_type="application/json"):
         data = raw if raw is not None else json.dumps(body if body is not None else {})
-        return self.request("POST", BASE + path, data=data, content_type=content_type, token=token, headers=headers)
+        response = self.request(
+            "POST", BASE + path, data=data, content_type=content_type, token=token, headers=headers, body=body
+        )
+        remember(BASE + path, body, response)
+        return response
 
-    def get(self, path, *, token=CANARY, headers=None, absolute=False):
+    def get(self, path, *, token=AUTO, headers=None, absolute=False):
         return self.request("GET", path if absolute else BASE + path, token=token, headers=headers)
 
-    def request(self, method, path, *, data=b"", content_type=None, token=CANARY, headers=None, **kwargs):
+    def request(self, method, path, *, data=b"", content_type=None, token=AUTO, headers=None, body=None, **kwargs):
         assert not kwargs, kwargs
-        meta = self._headers(token, headers)
+        meta = self._headers(token, headers, path, body)
         if content_type is not None:
             meta["CONTENT_TYPE"] = content_type
         response = asgi_call(self.app, method, path, meta, data.encode() if isinstance(data, str) else data)
@@ -244,11 +311,16 @@ def wsgi_app():
 
 
 def raw_post(
-    path: str, body: bytes, *, content_length: str | None, terminated: bool, token: str = CANARY
+    path: str, body: bytes, *, content_length: str | None, terminated: bool, token=AUTO
 ) -> RawResponse:
     """A POST through a hand-made WSGI environ: Content-Length may be absent or
     lie, and `wsgi.input_terminated` says whether the server delimits the body
     (gunicorn does) as PEP 3333 servers need not."""
+    if token is AUTO:
+        try:
+            token = token_for(BASE + path, json.loads(body))
+        except ValueError:
+            token = token_for(BASE + path, None)
     environ = {
         "REQUEST_METHOD": "POST",
         "PATH_INFO": BASE + path,
@@ -332,6 +404,8 @@ def world(db, clock):
 
     jobs = [enqueue() for _ in range(3)]
     worker = register("w1", capacity=3)
+    credential_for(worker.worker_id)  # as its enrolment would have given it
+    credential_for("a-worker")  # who asks about attempts nobody holds
     attempts = claim(worker, max_jobs=2)
     assert len(attempts) == 2
     clock.advance(1)  # so that a heartbeat that got through would change a row

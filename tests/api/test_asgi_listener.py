@@ -11,9 +11,11 @@ import time
 import pytest
 import requests
 
+from jobqueue import longpoll
+from jobqueue.api import asgi
 from jobqueue.models import Attempt
 from jobqueue.wakeup import notifier
-from tests.api.conftest import CANARY
+from tests.api.conftest import CANARY, credential_for
 from tests.asgi_server import AsgiServer
 from tests.factories import claim, enqueue, register
 from tests.waiting import wait_for
@@ -22,6 +24,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 WAIT = 20.0  # deadline for something the test set going; not a timing assertion
 AUTH = {"Authorization": f"Bearer {CANARY}"}
+
+
+def auth(worker) -> dict:
+    """The headers of a call made as `worker`, with its own credential."""
+    return {"Authorization": f"Bearer {credential_for(worker.worker_id)}"}
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +53,8 @@ def raw_long_poll(server, worker, *, wait: float) -> socket.socket:
     body = json.dumps({"worker_id": worker.worker_id, "session": worker.session, "wait": wait}).encode()
     sock.sendall(
         b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {CANARY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        + f"Authorization: Bearer {credential_for(worker.worker_id)}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
     )
     return sock
 
@@ -54,7 +62,7 @@ def raw_long_poll(server, worker, *, wait: float) -> socket.socket:
 def long_poll(server, worker, wait, results):
     body = {"worker_id": worker.worker_id, "session": worker.session, "wait": wait}
     with requests.Session() as session:
-        results.append(session.post(url(server, "claims"), json=body, headers=AUTH, timeout=wait + WAIT).json())
+        results.append(session.post(url(server, "claims"), json=body, headers=auth(worker), timeout=wait + WAIT).json())
 
 
 def test_waiting_long_polls_hold_no_thread_and_heartbeats_pass(asgi_server, clock):
@@ -65,6 +73,8 @@ def test_waiting_long_polls_hold_no_thread_and_heartbeats_pass(asgi_server, cloc
     busy = register("busy")
     [attempt] = claim(busy)
     idle = [register(f"idle-{i}") for i in range(40)]
+    for worker in [busy, *idle]:
+        credential_for(worker.worker_id)  # before the count: the pollers' threads must not issue them
     before = threading.active_count()
     results: list = []
     pollers = [threading.Thread(target=long_poll, args=(asgi_server, w, 30, results)) for w in idle]
@@ -72,9 +82,10 @@ def test_waiting_long_polls_hold_no_thread_and_heartbeats_pass(asgi_server, cloc
         poller.start()
     wait_for(lambda: notifier.waiting() == 40, timeout=WAIT, what="40 long-polls waiting")
     server_threads = threading.active_count() - before - len(pollers)  # the pollers are this test's own
-    assert server_threads <= 8, server_threads  # a fixed pool's worth at most, not one per waiter
+    # The fixed pools' worth at most (credential lookups, claim rounds), not one per waiter.
+    assert server_threads <= asgi.API_THREADS + longpoll.CLAIM_THREADS < len(idle), server_threads
     answer = requests.post(url(asgi_server, f"attempts/{attempt.attempt_id}/heartbeat"), json={"token": attempt.token},
-                           headers=AUTH, timeout=WAIT)  # fmt: skip
+                           headers=auth(busy), timeout=WAIT)  # fmt: skip
     assert answer.status_code == 200 and answer.json()["cancel"] is False
     for _ in range(40):
         enqueue()
@@ -108,7 +119,7 @@ def test_a_body_over_the_limit_is_refused(asgi_server, clock):
     worker = register()
     padding = "x" * (1024 * 1024)
     body = {"worker_id": worker.worker_id, "session": worker.session, "pad": padding}
-    answer = requests.post(url(asgi_server, "claims"), json=body, headers=AUTH, timeout=WAIT)
+    answer = requests.post(url(asgi_server, "claims"), json=body, headers=auth(worker), timeout=WAIT)
     assert answer.status_code == 413 and answer.json()["error"]["code"] == "payload_too_large"
 
 

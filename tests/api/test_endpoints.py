@@ -8,7 +8,7 @@ from django.db import OperationalError, connection
 
 from jobqueue import selectors, services
 from jobqueue.models import Attempt, AttemptState, Job, JobEvent, JobState, Worker
-from tests.api.conftest import CANARY
+from tests.api.conftest import CANARY, credential_for
 from tests.factories import claim, enqueue, instance_id, make_task, register
 
 pytestmark = pytest.mark.django_db
@@ -196,12 +196,14 @@ def test_schema_is_an_openapi_document_of_every_endpoint(api):
         "/api/worker/v1/attempts/{attempt_id}/finish",
         "/api/worker/v1/status",
     }
-    assert document["components"]["securitySchemes"] == {
-        "workerToken": {"type": "http", "scheme": "bearer", "description": "the control plane's worker_token"}
-    }
+    scheme = document["components"]["securitySchemes"]["workerToken"]
+    assert (scheme["type"], scheme["scheme"]) == ("http", "bearer") and "credential" in scheme["description"]
     claims = document["paths"]["/api/worker/v1/claims"]["post"]
     assert claims["security"] == [{"workerToken": []}]
-    assert {"200", "400", "401", "404", "409", "413", "503"} <= set(claims["responses"])
+    assert {"200", "400", "401", "403", "404", "409", "413", "429", "503"} <= set(claims["responses"])
+    register = document["paths"]["/api/worker/v1/workers/register"]["post"]
+    assert "403" in register["responses"]
+    assert "credential" in document["components"]["schemas"]["RegisterResponse"]["properties"]
     assert claims["responses"]["409"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ErrorResponse"
     }
@@ -254,8 +256,8 @@ def test_401_for_every_request_when_no_token_is_configured(api, world, unchanged
         settings.APIARY_WORKER_TOKEN = configured
         for path, body in world.endpoints():
             with unchanged():
-                assert api.post(path, body).status_code == 401
-        assert api.get("status").status_code == 401
+                assert api.post(path, body, token=CANARY).status_code == 401
+        assert api.get("status", token=CANARY).status_code == 401
         assert api.get("status", token="").status_code == 401
 
 
@@ -448,7 +450,7 @@ def test_unexpected_errors_are_a_json_500(api, world, monkeypatch):
         f"/api/worker/v1/workers/{world.worker_id}/heartbeat",
         {"session": world.session},
         content_type="application/json",
-        HTTP_AUTHORIZATION=f"Bearer {CANARY}",
+        HTTP_AUTHORIZATION=f"Bearer {credential_for(world.worker_id)}",
     )
     assert response.status_code == 500 and response["Apiary-Protocol"] == "1"
     assert response.json()["error"]["code"] == "internal_error" and b"boom" not in response.content

@@ -21,7 +21,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.api.conftest import CANARY, wsgi_app
+from tests.api.conftest import CANARY, credential_for, wsgi_app
 
 pytestmark = pytest.mark.django_db
 
@@ -45,8 +45,8 @@ def operations(schema) -> dict:
     return {op.label: op for op in (result.ok() for result in schema.get_all_operations())}
 
 
-def call(case, checks):
-    response = case.call_and_validate(headers=AUTH, checks=checks)
+def call(case, checks, headers=AUTH):
+    response = case.call_and_validate(headers=headers, checks=checks)
     assert CANARY.encode() not in response.content
     return response
 
@@ -132,9 +132,10 @@ def test_successful_answers_conform(schema, world):
         ("POST /api/worker/v1/claims", {}, {"worker_id": world.worker_id, "session": world.session}),  # 409 now
     ]
     statuses = []
+    as_worker = {"Authorization": f"Bearer {credential_for(world.worker_id)}"}
     for label, path_parameters, body in cases:
         case = ops[label].Case(path_parameters=path_parameters, body=body, media_type="application/json")
-        statuses.append(call(case, CONFORMANCE).status_code)
+        statuses.append(call(case, CONFORMANCE, as_worker).status_code)
     response = call(ops["GET /api/worker/v1/status"].Case(), CONFORMANCE)
     assert response.status_code == 200
     assert statuses == [200, 200, 200, 200, 200, 409, 200, 409]

@@ -496,6 +496,10 @@ class WorkerProcess:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def credential(self) -> str:
+        """The credential its enrolment gave it, as it keeps it in its state directory."""
+        return (self.directory / ".apiary" / "workers" / f"{self.worker_id}.credential").read_text().strip()
+
     def tail(self, lines: int = 30) -> str:
         return f"--- {self} output (tail) ---\n" + "\n".join(self.output().splitlines()[-lines:])
 

@@ -82,6 +82,7 @@ class IdleWorker(threading.Thread):
                 self.errors.append(f"register: HTTP {answer.status_code} {answer.text[:200]}")
                 return
             token = answer.json()["session"]
+            session.headers.update(ControlPlane.auth(answer.json()["credential"]))  # its own, from now on
             self.registered.set()
             self.go.wait()
             while not self.stop.is_set():

@@ -226,7 +226,8 @@ def test_stopped_worker_is_fenced_and_its_result_discarded(cp, workers):
     before = ([dict(r) for r in cp.jobs("stop-1")], [dict(r) for r in cp.attempts(job["id"])])
     for path, body in (("heartbeat", {"token": claim["token"]}),
                        ("finish", {"token": claim["token"], "outcome": "failed", "summary": {}, "error": "late"})):
-        answer = requests.post(cp.api(f"attempts/{first_id}/{path}"), json=body, headers=cp.auth(), timeout=10)
+        answer = requests.post(cp.api(f"attempts/{first_id}/{path}"), json=body, headers=cp.auth(stale.credential()),
+                               timeout=10)
         assert answer.status_code == 409 and answer.json()["error"]["code"] == "stale_attempt", answer.text
     assert ([dict(r) for r in cp.jobs("stop-1")], [dict(r) for r in cp.attempts(job["id"])]) == before
 

@@ -40,6 +40,7 @@ from jobqueue.models import Attempt, AttemptState, Job, JobState, Worker
 from tests.api.conftest import CANARY
 from tests.factories import enqueue, instance_id, make_task, task_id
 from tests.waiting import wait_for
+from workers.credentials import CredentialFile
 from workers.executor import Outcome
 from workers.http import HttpTransport
 from workers.localdb import LocalDB
@@ -160,10 +161,12 @@ def control_plane(queue_config, clock, settings):
 
 
 @pytest.fixture
-def make_transport(transport_kind, request):
+def make_transport(transport_kind, request, tmp_path):
     """`make_transport(worker_id)`: a transport of this test's kind: in
     process, HTTP to the WSGI live server, or HTTP to the listener's ASGI
-    application (tests/asgi_server.py). Both servers are session-scoped."""
+    application (tests/asgi_server.py). Both servers are session-scoped.
+    HTTP transports of one worker id share its credential file, as the
+    processes of one worker's state directory do."""
     made = []
     server = {"http": "live_server", "asgi": "asgi_server"}.get(transport_kind)
     url = request.getfixturevalue(server).url if server else None
@@ -172,7 +175,8 @@ def make_transport(transport_kind, request):
         if transport_kind == "in_process":
             transport = InProcessTransport(worker_id=worker_id)
         else:
-            transport = HttpTransport(base_url=url, token=CANARY, worker_id=worker_id)
+            credential = CredentialFile(tmp_path / "workers" / f"{worker_id}.credential")
+            transport = HttpTransport(base_url=url, token=CANARY, worker_id=worker_id, credential_file=credential)
         made.append(transport)
         return transport
 

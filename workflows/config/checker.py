@@ -206,6 +206,19 @@ class _Checker:
             return None
         return value
 
+    def number(self, value: Any, path: str, *, minimum: float) -> float | None:
+        if value is None or value is _BAD:
+            return None
+        if isinstance(value, _Interpolated) and re.fullmatch(r"\s*-?\d+(\.\d*)?\s*", value):
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            self.error(path, f"expected a number ≥ {minimum:g}, got {_describe(value)}")
+            return None
+        if value < minimum or value == float("inf"):
+            self.error(path, f"expected a finite number ≥ {minimum:g}, got {value}")
+            return None
+        return float(value)
+
     def boolean(self, value: Any, path: str) -> bool | None:
         if value is None or value is _BAD:
             return None

@@ -80,6 +80,10 @@ class ListenerSettings:
 class QueueSettings:
     listen: str | None = None
     worker_token: str | None = None
+    previous_worker_tokens: tuple[str, ...] = ()  # still accepted during a rotation, logged as old
+    enrollment: bool = _QUEUE_DEFAULTS.enrollment
+    claim_rate: float = _QUEUE_DEFAULTS.claim_rate
+    forget_workers_after: float = _QUEUE_DEFAULTS.forget_workers_after
     embedded_worker: bool = True
     lease_duration: float = _QUEUE_DEFAULTS.lease_duration
     heartbeat_interval: float = _QUEUE_DEFAULTS.heartbeat_interval
@@ -118,6 +122,10 @@ class Config:
             worker_timeout=q.worker_timeout,
             max_attempts=q.max_attempts,
             limits=q.limits,
+            enrollment=q.enrollment,
+            claim_rate=q.claim_rate,
+            claim_burst=max(1, round(2 * q.claim_rate)),
+            forget_workers_after=q.forget_workers_after,
         )
 
 
@@ -128,6 +136,10 @@ SETTINGS_KEYS = ("concurrency", "worker_capacity", "queue")
 QUEUE_KEYS = (
     "listen",
     "worker_token",
+    "previous_worker_tokens",
+    "enrollment",
+    "claim_rate",
+    "forget_workers_after",
     "embedded_worker",
     "lease_duration",
     "heartbeat_interval",

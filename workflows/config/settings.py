@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jobqueue import conf
+from jobqueue.types import MAX_CAPACITY
 from workflows.runners import ADAPTER_OF
 
 from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
@@ -36,7 +37,8 @@ def _settings(
     section = check.mapping(raw, "settings", SETTINGS_KEYS) or {}
     # Absent, like every other limit, means none: the workers' capacity governs.
     concurrency = _default(check.integer(section.get("concurrency"), "settings.concurrency", minimum=0), 0)
-    capacity = _default(check.integer(section.get("worker_capacity"), "settings.worker_capacity", minimum=1), 1)
+    capacity = check.integer(section.get("worker_capacity"), "settings.worker_capacity", minimum=1, maximum=MAX_CAPACITY)
+    capacity = _default(capacity, 1)
     queue = _queue(
         check, section.get("queue"), concurrency=concurrency, project=project, agents=agents, sources=sources
     )
@@ -62,6 +64,10 @@ def _queue(
         check.error(f"{p}.worker_token", "required when settings.queue.listen is set (workers authenticate with it)")
     elif token is not None and len(token) < 16:
         check.warn(f"{p}.worker_token", f"only {len(token)} characters; use a long random token (32+ characters)")
+    previous = _previous_tokens(check, section.get("previous_worker_tokens"), current=token)
+    enrollment = _default(check.boolean(section.get("enrollment"), f"{p}.enrollment"), _QUEUE_DEFAULTS.enrollment)
+    claim_rate = check.number(section.get("claim_rate"), f"{p}.claim_rate", minimum=0)
+    forget = check.duration(section.get("forget_workers_after"), f"{p}.forget_workers_after")
     embedded = _default(check.boolean(section.get("embedded_worker"), f"{p}.embedded_worker"), True)
     if not embedded and listen is None and f"{p}.listen" not in check.failed:
         check.warn(f"{p}.embedded_worker", "false and settings.queue.listen is not set: no worker can run any job")
@@ -105,6 +111,10 @@ def _queue(
         listener=listener,
         listen=listen,
         worker_token=token,
+        previous_worker_tokens=previous,
+        enrollment=enrollment,
+        claim_rate=_default(claim_rate, _QUEUE_DEFAULTS.claim_rate),
+        forget_workers_after=_default(forget, _QUEUE_DEFAULTS.forget_workers_after),
         embedded_worker=embedded,
         lease_duration=lease,
         heartbeat_interval=heartbeat,
@@ -112,6 +122,29 @@ def _queue(
         max_attempts=max_attempts,
         limits=limits,
     )
+
+
+MIN_TOKEN_LENGTH = 32
+
+
+def _previous_tokens(check: _Checker, raw: Any, *, current: str | None) -> tuple[str, ...]:
+    """settings.queue.previous_worker_tokens: old shared tokens still accepted during a rotation.
+    Errors name the position, never the value (it is a secret)."""
+    p = "settings.queue.previous_worker_tokens"
+    tokens: list[str] = []
+    for item_path, item in check.items(raw, p, "old worker tokens"):
+        text = check.string(item, item_path)
+        if text is None:
+            continue
+        if len(text) < MIN_TOKEN_LENGTH:
+            check.error(item_path, f"expected at least {MIN_TOKEN_LENGTH} characters, got {len(text)}")
+        elif text == current:
+            check.error(item_path, "is the current worker_token; list only the tokens it replaced")
+        elif text not in tokens:
+            tokens.append(text)
+    if tokens and current is None and p not in check.failed:
+        check.error(p, "set worker_token too: previous tokens are accepted alongside the current one")
+    return tuple(tokens)
 
 
 def _listener(check: _Checker, raw: Any) -> ListenerSettings:

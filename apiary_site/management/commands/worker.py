@@ -6,8 +6,10 @@ import threading
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobqueue.types import WORKER_ID_HINT, WORKER_ID_RE
+from jobqueue.exceptions import Forbidden
+from jobqueue.types import EMBEDDED_ID, MAX_CAPACITY, WORKER_ID_HINT, WORKER_ID_RE
 from workers.backoff import Backoff
+from workers.credentials import CredentialFile
 from workers.http import HttpTransport
 from workers.localdb import LocalDB
 from workers.pgroups import ProcessGroups
@@ -28,7 +30,12 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--control-plane", required=True, help="base URL, e.g. http://10.0.0.5:8080")
         parser.add_argument("--token", help="worker token (default: $APIARY_WORKER_TOKEN)")
-        parser.add_argument("--id", dest="worker_id", required=True, help="worker id, unique per process")
+        parser.add_argument(
+            "--id",
+            dest="worker_id",
+            required=True,
+            help="worker id, unique per process; its credential is kept in .apiary/workers/ID.credential",
+        )
         parser.add_argument("--pool", default=None)
         parser.add_argument("--label", action="append", default=[], help="repeatable")
         parser.add_argument("--capability", action="append", default=[], help="repeatable")
@@ -42,8 +49,8 @@ class Command(BaseCommand):
         token = options["token"] or os.environ.get("APIARY_WORKER_TOKEN", "")
         if not token:
             raise CommandError("no worker token: pass --token or set APIARY_WORKER_TOKEN", returncode=2)
-        if options["capacity"] < 1:
-            raise CommandError(f"--capacity must be at least 1, got {options['capacity']}", returncode=2)
+        if not 1 <= options["capacity"] <= MAX_CAPACITY:
+            raise CommandError(f"--capacity must be 1–{MAX_CAPACITY}, got {options['capacity']}", returncode=2)
         try:
             config = load(find_config_path(options["config"]))
         except ConfigError as exc:
@@ -51,6 +58,8 @@ class Command(BaseCommand):
         worker_id = options["worker_id"]
         if not WORKER_ID_RE.fullmatch(worker_id):  # also a file name under .apiary/: checked before any use
             raise CommandError(f"--id {worker_id!r}: expected {WORKER_ID_HINT}", returncode=2)
+        if worker_id == EMBEDDED_ID:
+            raise CommandError(f"--id {EMBEDDED_ID!r} is reserved for the control plane's embedded worker", returncode=2)
         state = config.state_dir
         groups = ProcessGroups(state / "run" / worker_id)
         groups.reap_orphans(grace=options["grace"])
@@ -68,6 +77,7 @@ class Command(BaseCommand):
             worker_id=worker_id,
             ca_cert=options["ca_cert"],
             capacity=spec.capacity,  # the pool its job threads' finishes share
+            credential_file=CredentialFile(state / "workers" / f"{worker_id}.credential"),
         )
         runtime = WorkerRuntime(
             transport=transport,
@@ -90,6 +100,8 @@ class Command(BaseCommand):
                 signals.act(runtime)
         except Unauthorized as exc:
             raise CommandError(f"the control plane refused the worker token: {exc}", returncode=2) from exc
+        except Forbidden as exc:
+            raise CommandError(f"the control plane refused worker {worker_id!r}: {exc}", returncode=2) from exc
         finally:
             signals.restore()
             localdb.close()

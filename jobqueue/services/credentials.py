@@ -1,0 +1,154 @@
+"""Per-worker credentials: each worker's own bearer secret, bound to its id.
+
+The shared `worker_token` enrols: a registration made with it, for an id
+that has no credential and no live session, issues the id's first
+credential in the same transaction (`worker_enroll`). From then on the
+worker calls with its credential, which acts only as its own id. An
+operator can issue more (`credential_issue`: the overlap of a rotation) and
+revoke them (`credentials_revoke`). README "Security" has the threat model.
+
+Secrets are `apw_` + 256 random bits; only their SHA-256 is stored, so a
+lookup by digest is as safe as a constant-time compare (the digest of an
+unguessable secret is unguessable) and costs one indexed query.
+"""
+
+import datetime as dt
+import secrets
+
+from .. import conf
+from ..clock import Clock
+from ..exceptions import (
+    CredentialRequired,
+    CredentialRevoked,
+    EnrollmentClosed,
+    NotFound,
+    WorkerMismatch,
+)
+from ..models import Attempt, AttemptState, Worker, WorkerCredential
+from ..types import CREDENTIAL_PREFIX
+from .attempts import expire
+from .common import hash_token, now_of, postgres, service
+from .workers import refuse_reserved, register
+
+PREFIX = CREDENTIAL_PREFIX
+
+
+def is_credential(secret: str) -> bool:
+    return secret.startswith(PREFIX)
+
+
+def _new(worker_id: str, issued_by: str, now: dt.datetime) -> tuple[WorkerCredential, str]:
+    secret = PREFIX + secrets.token_urlsafe(32)
+    credential = WorkerCredential.objects.create(
+        worker_id=worker_id,
+        digest=hash_token(secret),
+        hint=secret[: len(PREFIX) + 6],
+        issued_by=issued_by,
+        created_at=now,
+    )
+    return credential, secret
+
+
+def credential_worker(secret: str) -> str | None:
+    """The worker id a credential acts as; None for an unknown or revoked one."""
+    return (
+        WorkerCredential.objects.filter(digest=hash_token(secret), revoked_at__isnull=True)
+        .values_list("worker_id", flat=True)
+        .first()
+    )
+
+
+@service
+def credential_issue(*, worker_id: str, clock: Clock | None = None) -> tuple[WorkerCredential, str]:
+    """An operator's new credential for `worker_id` (`apiary worker token create`);
+    returns it and its secret, which is not kept. Earlier credentials stay
+    valid until revoked: hand the new one to the worker, restart it, then
+    revoke the old ones. Issuing one also admits an id whose credentials
+    were revoked."""
+    refuse_reserved(worker_id)
+    return _new(worker_id, "operator", now_of(clock))
+
+
+@service
+def credentials_revoke(
+    *, worker_id: str, keep_newest: bool = False, clock: Clock | None = None
+) -> list[WorkerCredential]:
+    """Revoke the id's credentials (all, or all but the newest: the end of a
+    rotation's overlap). Revoking all of them also expires the attempts the
+    id holds, so its jobs go back to the queue at once, and refuses its
+    re-enrolment by the shared token until an operator issues a new credential.
+    Returns the credentials revoked; NotFound when the id has none to revoke."""
+    now = now_of(clock)
+    live = list(WorkerCredential.objects.filter(worker_id=worker_id, revoked_at__isnull=True).order_by("created_at"))
+    if keep_newest:
+        live = live[:-1]
+    if not live:
+        raise NotFound(f"worker {worker_id!r} has no credential to revoke", worker_id=worker_id)
+    WorkerCredential.objects.filter(pk__in=[c.pk for c in live], revoked_at__isnull=True).update(revoked_at=now)
+    if not keep_newest:
+        held = Attempt.objects.select_related("job").filter(worker_id=worker_id, state=AttemptState.ACTIVE)
+        if postgres():
+            held = held.select_for_update(of=("self", "job"))
+        for attempt in held:
+            expire(attempt, now, f"worker {worker_id}'s credentials were revoked")
+    for credential in live:
+        credential.revoked_at = now
+    return live
+
+
+@service
+def worker_enroll(*, clock: Clock | None = None, **registration) -> tuple[Worker, str]:
+    """Registration with the shared token: a new worker id is admitted and
+    gets its first credential (returned with the worker; shown once). Refused
+    for the reserved id, when enrolment is closed, for an id that already has
+    credentials (it must register with one) or was revoked, and for an id a
+    live process holds (it has not been silent for `worker_timeout`)."""
+    worker_id = registration["worker_id"]
+    refuse_reserved(worker_id)
+    cfg = conf.current()
+    if not cfg.enrollment:
+        raise EnrollmentClosed(
+            "enrolment by the shared worker token is closed (settings.queue.enrollment: false); "
+            f"an operator issues worker {worker_id!r} a credential with `apiary worker token create {worker_id}`",
+            worker_id=worker_id,
+        )
+    now = now_of(clock)
+    credentials = WorkerCredential.objects.filter(worker_id=worker_id)
+    if credentials.filter(revoked_at__isnull=True).exists():
+        raise CredentialRequired(
+            f"worker {worker_id!r} is enrolled: register with its own credential, not the shared token", worker_id=worker_id
+        )
+    if credentials.exists():
+        raise CredentialRevoked(
+            f"worker {worker_id!r}'s credentials were revoked; an operator admits it again with "
+            f"`apiary worker token create {worker_id}`",
+            worker_id=worker_id,
+        )
+    live = Worker.objects.filter(
+        pk=worker_id, ready=True, last_heartbeat_at__gt=now - dt.timedelta(seconds=cfg.worker_timeout)
+    ).exists()
+    if live:
+        raise CredentialRequired(
+            f"worker {worker_id!r} is held by a live process (it heartbeated less than "
+            f"{cfg.worker_timeout:g}s ago); only its own credential may register it again",
+            worker_id=worker_id,
+        )
+    worker = register(now=now, embedded=False, **registration)
+    _, secret = _new(worker_id, "enrollment", now)
+    return worker, secret
+
+
+@service
+def worker_reregister(*, acting_as: str, clock: Clock | None = None, **registration) -> Worker:
+    """Registration with the id's own credential: a new session, as after a
+    restart (attempts of the old one are expired)."""
+    worker_id = registration["worker_id"]
+    if acting_as != worker_id:
+        raise WorkerMismatch(
+            f"this credential belongs to worker {acting_as!r}; it cannot register worker {worker_id!r}",
+            worker_id=worker_id,
+        )
+    refuse_reserved(worker_id)
+    now = now_of(clock)
+    WorkerCredential.objects.filter(worker_id=worker_id, revoked_at__isnull=True).update(last_used_at=now)
+    return register(now=now, embedded=False, **registration)
