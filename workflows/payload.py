@@ -11,11 +11,32 @@ changes the task row but not the jobs already dispatched for it; set
 
 import dataclasses
 
+from jobqueue import jsonlimits
 from jobqueue.types import Claim
+
+# A task's own payload (front matter fields, a command item's extra keys, `task add --payload`)
+# sits two levels down in its job's payload (`task.payload`), and a job's payload sits two levels
+# down in a claim answer (`jobs[i]`): half the protocol's bound (jobqueue.jsonlimits.MAX_DEPTH)
+# leaves room for both.
+TASK_PAYLOAD_DEPTH = jsonlimits.MAX_DEPTH // 2
+TASK_PAYLOAD_CAP = 512 * 1024  # bytes of a task's payload as JSON
+# Bytes of a job's whole payload as JSON (the task snapshot: title, body, payload): the protocol's
+# default body limit, so a claim answer carrying one job is never larger than what a worker may send.
+JOB_PAYLOAD_CAP = 1024 * 1024
 
 
 class PayloadError(ValueError):
-    """A claimed job whose payload is not a workflow job's (a foreign or damaged job)."""
+    """A claimed job whose payload is not a workflow job's (a foreign or damaged job),
+    or a payload over its bounds."""
+
+
+def task_payload_check(value: dict, *, what: str = "the task payload") -> None:
+    """PayloadError when a task's payload nests deeper than TASK_PAYLOAD_DEPTH,
+    is larger than TASK_PAYLOAD_CAP as JSON, or holds NaN/Infinity."""
+    try:
+        jsonlimits.check(value, max_depth=TASK_PAYLOAD_DEPTH, max_bytes=TASK_PAYLOAD_CAP)
+    except jsonlimits.JSONLimitError as exc:
+        raise PayloadError(f"{what}: {exc} (TASK_PAYLOAD_DEPTH {TASK_PAYLOAD_DEPTH}, TASK_PAYLOAD_CAP {TASK_PAYLOAD_CAP})") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +59,13 @@ def task_snapshot(task) -> dict:
 
 
 def payload_of(*, workflow: str, instance_id: int, task) -> dict:
-    return {"workflow": workflow, "instance_id": instance_id, "task": task_snapshot(task)}
+    """The job's payload; PayloadError when it is over JOB_PAYLOAD_CAP or nests too deep."""
+    job_payload = {"workflow": workflow, "instance_id": instance_id, "task": task_snapshot(task)}
+    try:
+        jsonlimits.check(job_payload, max_depth=TASK_PAYLOAD_DEPTH + 2, max_bytes=JOB_PAYLOAD_CAP)
+    except jsonlimits.JSONLimitError as exc:
+        raise PayloadError(f"task {task.pk}: the job payload is {exc} (JOB_PAYLOAD_CAP {JOB_PAYLOAD_CAP})") from None
+    return job_payload
 
 
 def read(claim: Claim) -> WorkflowJob:
