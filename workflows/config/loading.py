@@ -135,6 +135,8 @@ def _interpolate_string(check: _Checker, text: str, path: str, environ: Mapping[
         else:
             name, default = match.group(1), match.group(2)
             found = environ.get(name)
+            if found:
+                check.hide(path, name, found)  # an error about this value names ${NAME}, never the value
             if default is not None and not found:
                 found = default
             if found is None:
