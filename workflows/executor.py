@@ -222,7 +222,10 @@ class Executor:
     def _command(self, agent, step: StepConfig, context: dict) -> tuple[list[str], str | None, dict]:
         if step.prompt is not None:
             return runners.build_prompt_command(agent, templates.render(step.prompt, context))
-        return runners.build_run_command(templates.render(step.run, context, shell=True)), None, {}
+        # Placeholders become "$APIARY_T_n" and their values travel in the environment: the shell
+        # never parses task text (README, design notes: "A run command never holds task text").
+        command, values = templates.render_command(step.run, context)
+        return runners.build_run_command(command), None, values
 
 
 def _unstarted(log_path: Path, started: dt.datetime, message: str) -> runners.StepResult:
