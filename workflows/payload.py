@@ -10,9 +10,12 @@ changes the task row but not the jobs already dispatched for it; set
 """
 
 import dataclasses
+import re
 
 from jobqueue import jsonlimits
 from jobqueue.types import Claim
+
+from .config.schema import ID_PATTERN, MAX_ID_LENGTH
 
 # A task's own payload (front matter fields, a command item's extra keys, `task add --payload`)
 # sits two levels down in its job's payload (`task.payload`), and a job's payload sits two levels
@@ -69,16 +72,35 @@ def payload_of(*, workflow: str, instance_id: int, task) -> dict:
 
 
 def read(claim: Claim) -> WorkflowJob:
-    """The workflow job a claim carries; PayloadError names what is missing."""
+    """The workflow job a claim carries; PayloadError names what is missing or
+    not what dispatch writes (payload_of): a workflow id, an instance id and a
+    task whose id, source and generation are what a Task row holds."""
     p = claim.payload if isinstance(claim.payload, dict) else {}
     workflow, instance_id, task = p.get("workflow"), p.get("instance_id"), p.get("task")
-    if not isinstance(workflow, str) or not _positive_int(instance_id):
+    if not isinstance(workflow, str) or not _ID_RE.match(workflow) or not _row_id(instance_id):
         raise PayloadError(f"job {claim.job_id}: its payload has no workflow and instance id")
     # The task and instance ids become path parts of the workspace and the logs.
-    if not isinstance(task, dict) or not _positive_int(task.get("id")):
+    if not isinstance(task, dict) or not _row_id(task.get("id")):
         raise PayloadError(f"job {claim.job_id}: its payload has no task")
+    for key, valid in _TASK_FIELDS.items():
+        if key in task and not valid(task[key]):
+            raise PayloadError(f"job {claim.job_id}: its payload's task.{key} is not what dispatch writes")
     return WorkflowJob(workflow=workflow, instance_id=instance_id, task=task)
 
 
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+_ID_RE = re.compile(ID_PATTERN + r"\Z")
+_MAX_ROW_ID = 2**63 - 1  # a 64-bit primary key
+
+
+def _row_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _MAX_ROW_ID
+
+
+_TASK_FIELDS = {
+    "source": lambda v: isinstance(v, str) and len(v) <= MAX_ID_LENGTH,  # a source id, or a `task add --source` label
+    "item_key": lambda v: isinstance(v, str),
+    "generation": _row_id,
+    "title": lambda v: isinstance(v, str),
+    "body": lambda v: isinstance(v, str),
+    "payload": lambda v: isinstance(v, dict),
+}
