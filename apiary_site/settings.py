@@ -199,7 +199,7 @@ SPECTACULAR_SETTINGS = {
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "formatters": {"plain": {"()": "jobqueue.text.EscapingFormatter", "format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
         "apiary": {"handlers": ["console"], "level": os.environ.get("APIARY_LOG_LEVEL", "INFO"), "propagate": False},

@@ -1,10 +1,11 @@
 """Text as both database backends can store it.
 
 Used wherever outside text enters a row or a process: source items, task
-snapshots, errors and summaries. It needs no database, so the remote worker
-uses it too.
+snapshots, errors and summaries; and, escaped, wherever it enters a log line
+(`EscapingFormatter`). It needs no database, so the remote worker uses it too.
 """
 
+import logging
 import re
 
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
@@ -21,3 +22,43 @@ def clean(value):
     if isinstance(value, list | tuple):
         return [clean(v) for v in value]
     return value
+
+
+# C0 controls but tab, DEL, C1 controls, and the Unicode line and paragraph separators: each could
+# end a log line early (\n, \r, NEL, U+2028), rewrite what a terminal shows (ESC sequences,
+# backspace) or hide text. A tab is kept: it cannot start a line.
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r"}
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character written as an escape (`\\n`, `\\r`,
+    `\\x1b`, `\\u2028`), so it stays on one line and shows as what it is."""
+    return _CONTROL.sub(lambda m: _NAMED.get(m.group(), m.group().encode("unicode_escape").decode("ascii")), text)
+
+
+class EscapingFormatter(logging.Formatter):
+    """A log formatter that keeps each record on its lines: the rendered
+    message is passed through `escape_controls`, so a file name, a task title
+    or an error message with a newline in it cannot forge a log line. A
+    traceback keeps its lines, each indented and escaped, so nothing in it
+    starts a line of its own either. Installed for every `apiary` logger in
+    settings.LOGGING."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        message = record.message
+        record.message = escape_controls(message)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
+
+    def formatException(self, ei) -> str:
+        return self._indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return self._indented(super().formatStack(stack_info))
+
+    @staticmethod
+    def _indented(text: str) -> str:
+        return "\n".join("    " + escape_controls(line) for line in text.splitlines())

@@ -299,6 +299,44 @@ def test_unset_variable_without_default_names_the_variable_and_the_key_path(tmp_
     assert error.startswith(f"{path}: agents[0].env.HOMEDIR: environment variable HOME_DIR is not set")
 
 
+SECRET = "s3cr3t-Tok'en\\with\"quotes-0123456789abcdef"  # quotes and a backslash: repr and JSON forms differ
+MINIMAL = """\
+agents: [{id: sh, runner: shell, command: cat}]
+workflows: [{id: w, agent: sh, steps: [{id: s, run: "true"}]}]
+sources: [{id: feed, type: command, command: "true", workflows: [w]}]
+"""
+
+
+# (a line added to MINIMAL, the key path its error names): each value comes from ${APIARY_WORKER_TOKEN}.
+SECRET_IN_THE_WRONG_PLACE = [
+    ("settings: {queue: {lease_duration: '${APIARY_WORKER_TOKEN}'}}", "settings.queue.lease_duration"),
+    ("settings: {queue: {max_attempts: '${APIARY_WORKER_TOKEN}'}}", "settings.queue.max_attempts"),
+    ("settings: {queue: {embedded_worker: '${APIARY_WORKER_TOKEN}'}}", "settings.queue.embedded_worker"),
+    ("settings: {queue: {listen: 'x-${APIARY_WORKER_TOKEN}-y'}}", "settings.queue.listen"),
+    ("settings: {worker_capacity: '${APIARY_WORKER_TOKEN}'}", "settings.worker_capacity"),
+    ("project: '${APIARY_WORKER_TOKEN}'", "project"),
+    ("settings: {queue: {concurrency: {agents: {'sh': '${APIARY_WORKER_TOKEN}'}}}}", "settings.queue.concurrency.agents.sh"),
+]
+
+
+@pytest.mark.parametrize("line, key", SECRET_IN_THE_WRONG_PLACE)
+def test_an_error_about_an_interpolated_value_names_the_variable_never_the_value(tmp_path, line, key):
+    path = write(tmp_path, MINIMAL + line + "\n")
+    errors = errors_of(path, environ={"APIARY_WORKER_TOKEN": SECRET})
+    text = "\n".join(errors)
+    for form in (SECRET, repr(SECRET)[1:-1], SECRET[:12], SECRET[-12:]):
+        assert form not in text
+    [error] = [e for e in errors if f": {key}: " in e]
+    assert "${APIARY_WORKER_TOKEN}" in error
+
+
+def test_a_warning_about_an_interpolated_value_names_the_variable_never_the_value(tmp_path):
+    text = MINIMAL.replace("sources: [", "sources: [{id: inbox, type: directory, path: '${TASKS}', workflows: [w]}, ")
+    config = cfg.load(write(tmp_path, text), environ={"TASKS": "/nowhere/" + SECRET})
+    [warning] = config.warnings
+    assert "sources[0].path" in warning and "${TASKS}" in warning and SECRET not in warning
+
+
 def test_unset_worker_token_reports_the_variable_only(tmp_path):
     path = write(tmp_path, DESIGN_EXAMPLE)
     (tmp_path / "tasks").mkdir()
@@ -321,7 +359,8 @@ def test_malformed_interpolation_is_an_error(tmp_path, value):
 def test_interpolated_text_is_still_type_checked(tmp_path):
     path = write(tmp_path, "settings:\n  worker_capacity: ${CAP}\n")
     [error] = errors_of(path, environ={"CAP": "lots"})
-    assert error == f"{path}: settings.worker_capacity: expected an integer ≥ 1, got 'lots'"
+    # The variable, not its value: an interpolated value may be a secret.
+    assert error == f"{path}: settings.worker_capacity: expected an integer ≥ 1, got '${{CAP}}'"
 
 
 # --------------------------------------------------------------------------- durations

@@ -94,14 +94,14 @@ def test_directory_skips_unreadable_file(tmp_path, monkeypatch, caplog):
     # We run as root, where chmod 0 does not stop a read; fail the read itself instead.
     (tmp_path / "secret.md").write_text("x")
     (tmp_path / "open.md").write_text("y")
-    real = Path.read_bytes
+    real = os.open
 
-    def read_bytes(self):
-        if self.name == "secret.md":
-            raise PermissionError(13, "Permission denied", str(self))
-        return real(self)
+    def fake_open(path, flags, *args, **kwargs):  # the source opens each file with os.open (O_NOFOLLOW)
+        if os.fspath(path) == "secret.md":
+            raise PermissionError(13, "Permission denied", path)
+        return real(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(os, "open", fake_open)
     with caplog.at_level(logging.WARNING, logger="apiary.sources"):
         assert [i.key for i in poll(directory(tmp_path))] == ["open.md"]
     assert "secret.md" in caplog.text and "Permission denied" in caplog.text

@@ -2,6 +2,7 @@ import subprocess
 
 import pytest
 
+from workflows import templates
 from workflows.templates import TemplateError, render
 
 CONTEXT = {
@@ -128,4 +129,80 @@ def test_a_placeholder_after_closed_arithmetic_and_backquotes_is_allowed(tmp_pat
     command = render(template, {"task": {"title": "$(touch pwned)"}}, shell=True)
     out = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
     assert out == "9 4 5 6 $(touch pwned)\n"
+    assert not (tmp_path / "pwned").exists()
+
+
+# --- `run` commands hold references, never task text (render_command) ------------------------------
+
+
+def run_command(template: str, context: dict, shell: str, cwd) -> bytes:
+    command, values = templates.render_command(template, context)
+    return subprocess.run([shell, "-c", command], cwd=cwd, env={"PATH": "/usr/bin:/bin", **values},
+                          capture_output=True, check=True).stdout
+
+
+ATTACKS = [
+    "echo $'a\\' {{ task.title }}'",  # the finding: \' does not end bash's $'…'
+    "echo $'{{ task.title }}'",
+    "echo $'a\\\\' {{ task.title }}",  # \\ is one backslash, and the quote after it ends $'…': allowed
+    "echo ${{ task.title }}",  # would open $'…' (or $"…") with the value
+]
+
+
+@pytest.mark.parametrize("template", ATTACKS)
+@pytest.mark.parametrize("title", ["$(touch pwned)", "'$(touch pwned)'", "\\'; touch pwned; #"])
+def test_ansi_c_quotes_and_a_dollar_before_a_placeholder_cannot_run_task_text(tmp_path, template, title):
+    context = {"task": {"title": title}}
+    for rendered in (lambda: templates.render(template, context, shell=True), lambda: templates.render_command(template, context)[0]):
+        try:
+            command = rendered()
+        except TemplateError as exc:
+            assert "$'…'" in str(exc) or "right after a $" in str(exc)
+            continue
+        for shell in ("sh", "bash"):
+            subprocess.run([shell, "-c", command], cwd=tmp_path, capture_output=True, env={"APIARY_T_1": title})
+    assert not (tmp_path / "pwned").exists()
+    if template == "echo $'a\\\\' {{ task.title }}":
+        assert run_command(template, context, "bash", tmp_path) == b"a\\ " + title.encode() + b"\n"
+
+
+@pytest.mark.parametrize("shell", ["sh", "bash"])
+def test_a_placeholder_the_lexer_misjudges_still_runs_no_task_text(tmp_path, monkeypatch, shell):
+    """Defence in depth: with every refusal switched off, a placeholder inside
+    $'…', double quotes or a here-document is a literal reference or one
+    expansion, never shell text that runs."""
+    monkeypatch.setattr(templates._QuoteState, "problem", lambda self: None)
+    context = {"task": {"title": "$(touch pwned)'`touch pwned`"}}
+    for template in ["echo $'a\\' {{ task.title }}'", 'echo "{{ task.title }}"', "cat <<EOF\n{{ task.title }}\nEOF"]:
+        command, values = templates.render_command(template, context)
+        assert "pwned" not in command
+        subprocess.run([shell, "-c", command], cwd=tmp_path, capture_output=True, env=values)
+    assert not (tmp_path / "pwned").exists()
+
+
+ORDINARY = [
+    "printf '%s\\0' {{ task.title }} end",
+    "printf '[%s]' {{ task.title }}{{ task.title }} x{{ task.title }}y",
+    "for w in {{ task.payload.tags }} {{ task.id }}; do printf '<%s>' \"$w\"; done",
+    "test -z {{ task.payload.none }} && printf empty",
+    "printf '%s|' {{ steps.plan.output }} 'it''s' \"$HOME\" $(( 1 + 2 )) `echo 5`; printf %s {{ task.title }}",
+    "x={{ task.title }}; printf '%s' \"$x\" | od -c | head -1 >/dev/null; printf '%s' \"$x\"",
+    "cat <<< {{ task.title }}",
+]
+
+
+@pytest.mark.parametrize("template", ORDINARY)
+@pytest.mark.parametrize("title", HOSTILE + ["trailing newline\n\n", "ünïcödé ✓", "a\\b"])
+@pytest.mark.parametrize("shell", ["sh", "bash"])
+def test_run_commands_with_references_behave_as_the_quoted_ones(tmp_path, template, title, shell):
+    if "<<<" in template and shell == "sh":
+        pytest.skip("here-strings are bash's")
+    context = {**CONTEXT, "task": {**CONTEXT["task"], "title": title}}
+    quoted = templates.render(template, context, shell=True)
+    expected = subprocess.run([shell, "-c", quoted], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"},
+                              capture_output=True, check=True).stdout
+    assert run_command(template, context, shell, tmp_path) == expected
+    command, values = templates.render_command(template, context)
+    assert title not in command or title in ("", "*", "-n")
+    assert list(values) == [f"APIARY_T_{n}" for n in range(1, len(values) + 1)]
     assert not (tmp_path / "pwned").exists()

@@ -48,9 +48,10 @@ import time
 import requests
 from requests.adapters import HTTPAdapter
 
-from jobqueue.exceptions import Forbidden, InvalidRequest, NotFound, SessionSuperseded, StaleAttempt
-from jobqueue.types import CLAIM_FIELDS, CREDENTIAL_PREFIX, Claim, Heartbeat
+from jobqueue.exceptions import Forbidden, InvalidRequest, NotFound, QueueError, SessionSuperseded, StaleAttempt
+from jobqueue.types import CREDENTIAL_PREFIX, Claim, Heartbeat
 
+from . import claimcheck
 from .backoff import Backoff, retry_after_of
 from .credentials import CredentialFile
 from .transport import Registration, TransportError, Unauthorized, WorkerSpec
@@ -74,26 +75,6 @@ ERRORS = {
 
 def parse_time(value: str) -> dt.datetime:
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-def _claim_of(job: dict) -> Claim:
-    """A claimed job from the wire, its queue fields checked (ids become path
-    parts and environment values on the worker)."""
-    ids = {name: job[name] for name in ("job_id", "attempt_id", "attempt_number")}
-    for name, value in ids.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    texts = {name: job[name] for name in ("token", "agent", "runner")}
-    for name, value in texts.items():
-        if not isinstance(value, str):
-            raise ValueError(f"{name} must be a string, got {type(value).__name__}")
-    return Claim(
-        **ids,
-        **texts,
-        lease_expires_at=parse_time(job["lease_expires_at"]),
-        # Protocol v1 sends the payload's keys beside the queue's own fields.
-        payload={key: value for key, value in job.items() if key not in CLAIM_FIELDS},
-    )
 
 
 def _session(*, token: str, pool: int) -> requests.Session:
@@ -281,15 +262,26 @@ class HttpTransport:
             extra_read=wait,
             once=True,
         )
-        claims = []
-        for job in answer["jobs"]:
-            try:
-                claims.append(_claim_of(job))
-            except (KeyError, TypeError, ValueError) as exc:
-                # Not what protocol v1 sends: a broken or hostile control plane. The job's lease
-                # runs out on its own; nothing from it reaches a runner or a file path.
-                log.error("claim answer refused: a job that is not a protocol v1 job (%s)", exc)
+        # Every field checked before a Claim exists (workers/claimcheck.py says what is accepted).
+        claims, refused = claimcheck.claims_of(answer)
+        for problem in refused:
+            self._refuse(problem)
         return claims
+
+    def _refuse(self, problem: claimcheck.ClaimRefused) -> None:
+        """A claimed job that is not what protocol v1 sends (a broken or hostile
+        control plane): never run. Its attempt is finished `failed` with the
+        reason when its id and token are usable, else its lease runs out."""
+        log.error("claim answer refused: job %s is not a protocol v1 job: %s", problem.job_id, problem.reason)
+        if problem.attempt_id is None:
+            return
+        try:
+            self.finish(
+                attempt_id=problem.attempt_id, token=problem.token, outcome="failed", summary={},
+                error=f"worker {self.worker_id} refused the claim: {problem.reason}",
+            )
+        except QueueError as exc:
+            log.warning("attempt %s: could not report the refused claim (%s); its lease will run out", problem.attempt_id, exc)
 
     def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat:
         answer = self._call(self.beats, "POST", f"attempts/{attempt_id}/heartbeat", {"token": token}, quick=True)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from jobqueue.text import clean
 from jobqueue.types import Claim
+from workers.claimcheck import PathOutside, inside
 from workers.executor import Outcome
 from workers.pgroups import ProcessGroups
 
@@ -129,10 +130,15 @@ class Executor:
             return Outcome("failed", {}, f"workflow {job.workflow!r} is not in this worker's config")
         agent = self.config.agents[workflow.agent]
         state = self.config.state_dir
-        workspace = state / "workspaces" / str(job.task["id"])
+        try:
+            # Claim data makes these paths: none may resolve outside the state directory (symlinks too).
+            workspace = inside(state, "workspaces", str(job.task["id"]))
+            logs = inside(state, "logs", str(job.instance_id))
+            task_file = inside(logs, f"task-{claim.attempt_number}.json")
+            step_logs = {step.id: inside(logs, f"{step.id}.log") for step in workflow.steps}
+        except PathOutside as exc:
+            return Outcome("failed", {}, f"job {claim.job_id}: refused a path from its claim: {exc}")
         workspace.mkdir(parents=True, exist_ok=True)
-        logs = state / "logs" / str(job.instance_id)
-        task_file = logs / f"task-{claim.attempt_number}.json"
         try:
             task_file_write(job.task, task_file)
         except OSError as exc:
@@ -161,7 +167,7 @@ class Executor:
                 steps_summary.append({"id": step.id, "status": "failed", "error": str(exc)})
                 break
             timeout = min(t for t in (step.timeout, remaining) if t is not None) if (step.timeout or remaining) else None
-            log_path = logs / f"{step.id}.log"
+            log_path = step_logs[step.id]
             if "APIARY_PROMPT" in extra_env:  # the shell adapter's copy; stdin has the whole prompt
                 extra_env = {**extra_env, "APIARY_PROMPT": _capped(extra_env["APIARY_PROMPT"], whole="stdin")}
             env = {
@@ -222,7 +228,10 @@ class Executor:
     def _command(self, agent, step: StepConfig, context: dict) -> tuple[list[str], str | None, dict]:
         if step.prompt is not None:
             return runners.build_prompt_command(agent, templates.render(step.prompt, context))
-        return runners.build_run_command(templates.render(step.run, context, shell=True)), None, {}
+        # Placeholders become "$APIARY_T_n" and their values travel in the environment: the shell
+        # never parses task text (README, design notes: "A run command never holds task text").
+        command, values = templates.render_command(step.run, context)
+        return runners.build_run_command(command), None, values
 
 
 def _unstarted(log_path: Path, started: dt.datetime, message: str) -> runners.StepResult:

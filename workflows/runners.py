@@ -97,7 +97,7 @@ def build_prompt_command(agent: AgentConfig, prompt: str) -> tuple[list[str], st
 
 
 def build_run_command(run_text: str) -> list[str]:
-    """argv for a `run` step; `run_text` must already be rendered with shell=True."""
+    """argv for a `run` step; `run_text` must already be rendered (templates.render_command)."""
     return ["sh", "-c", run_text]
 
 

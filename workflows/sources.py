@@ -9,6 +9,7 @@ caller logs it and tries again next interval, keeping the tasks it knows.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import hashlib
 import json
 import logging
@@ -16,14 +17,19 @@ import os
 import re
 import selectors
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISDIR, S_ISREG
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from jobqueue import jsonlimits
 from workers.pgroups import KILL_WAIT, kill_process_group
+
+from . import payload, yamlload
 
 if TYPE_CHECKING:
     from workflows.config import SourceConfig
@@ -37,6 +43,8 @@ STDOUT_CAP = 64 * 1024 * 1024  # bytes of output read from a command; more is an
 # (setsid, a daemonising helper) may hold the pipes open for as long as it likes.
 DRAIN_GRACE = 1.0
 _CHUNK = 65536
+TASK_FILE_CAP = 256 * 1024  # bytes of one directory item's file; a larger file is skipped unread
+FRONT_MATTER_CAP = 64 * 1024  # bytes of its YAML front matter, checked before it is parsed
 _RESERVED = ("id", "title", "body", "updated_at")  # command fields that are not payload
 _FRONT_MATTER = re.compile(r"\A---[ \t]*\r?\n(.*?)^---[ \t]*(?:\r?\n|\Z)", re.DOTALL | re.MULTILINE)
 _HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
@@ -81,26 +89,104 @@ def _poll_directory(source: SourceConfig, *, cwd: Path | None) -> list[Item]:
         paths = list(root.glob(pattern))
     except (ValueError, NotImplementedError) as exc:
         raise SourceError(f"source {source.id!r}: invalid pattern {pattern!r}: {exc}") from None
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise SourceError(f"source {source.id!r}: cannot open directory {root}: {exc.strerror}") from None
     items = []
-    for path in paths:
-        relative = path.relative_to(root)
-        # Like a shell glob, skip hidden files and folders (.git, editor swap files, .DS_Store).
-        if any(part.startswith(".") for part in relative.parts) or not path.is_file():
-            continue
-        item = _file_item(source, path, relative.as_posix())
-        if item is not None:
-            items.append(item)
+    try:
+        for path in paths:
+            relative = path.relative_to(root)
+            # Like a shell glob, skip hidden files and folders (.git, editor swap files, .DS_Store).
+            # `..` starts with a dot too: nothing above the root is read.
+            if any(part.startswith(".") for part in relative.parts):
+                continue
+            raw, stat = _read_inside(source, root_fd, relative)
+            if raw is None:
+                continue
+            item = _file_item(source, path, relative.as_posix(), raw, stat)
+            if item is not None:
+                items.append(item)
+    finally:
+        os.close(root_fd)
     items.sort(key=lambda item: item.key)
     return items
 
 
-def _file_item(source: SourceConfig, path: Path, key: str) -> Item | None:
+def _read_inside(source: SourceConfig, root_fd: int, relative: Path) -> tuple[bytes | None, os.stat_result | None]:
+    """The bytes of the regular file `relative` below the root, walking down
+    from the root's descriptor one component at a time with O_NOFOLLOW: a
+    symlink anywhere on the way (a file or a folder, swapped in after the glob
+    or there all along) is refused by the kernel, so nothing outside the root
+    is ever read. (None, None) for an entry that is skipped: a symlink, not a
+    regular file (a folder the pattern matched, a FIFO, a device), unreadable,
+    or over TASK_FILE_CAP."""
+    fds: list[int] = []
     try:
-        raw = path.read_bytes()
-        stat = path.stat()
-    except OSError as exc:
-        logger.warning("source %s: skipping %s: cannot read it (%s)", source.id, path, exc)
-        return None
+        try:
+            parent = root_fd
+            for part in relative.parts[:-1]:
+                parent = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+                fds.append(parent)
+            # O_NONBLOCK: opening a FIFO swapped in for a file must not wait for a writer.
+            fd = os.open(relative.parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
+            fds.append(fd)
+            stat = os.fstat(fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlink (ELOOP), or one on the way
+                _skip_once(source, relative, "a symbolic link (or below one); only regular files inside the folder are read")
+            elif exc.errno == errno.EISDIR:
+                pass
+            else:
+                logger.warning("source %s: skipping %r: cannot read it (%s)", source.id, str(relative), exc.strerror)
+            return None, None
+        if S_ISDIR(stat.st_mode):
+            return None, None  # a folder the pattern matched, as before
+        if not S_ISREG(stat.st_mode):
+            _skip_once(source, relative, "not a regular file")
+            return None, None
+        if stat.st_size > TASK_FILE_CAP:
+            logger.warning(
+                "source %s: skipping %r: %d bytes, more than TASK_FILE_CAP (%d)",
+                source.id, str(relative), stat.st_size, TASK_FILE_CAP,
+            )
+            return None, None
+        chunks, total = [], 0
+        try:
+            while chunk := os.read(fd, min(_CHUNK, TASK_FILE_CAP + 1 - total)):
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > TASK_FILE_CAP:
+                    logger.warning(
+                        "source %s: skipping %r: more than TASK_FILE_CAP (%d) bytes", source.id, str(relative), TASK_FILE_CAP
+                    )
+                    return None, None
+        except OSError as exc:
+            logger.warning("source %s: skipping %r: cannot read it (%s)", source.id, str(relative), exc.strerror)
+            return None, None
+        return b"".join(chunks), stat
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+
+
+_skipped: set[tuple[str, str, str]] = set()  # (source, relative path, why) already logged by this process
+_skipped_lock = threading.Lock()
+
+
+def _skip_once(source: SourceConfig, relative: Path, why: str) -> None:
+    """Log a skipped entry the first time only: a symlink stays a symlink, and
+    one warning per poll would bury everything else. The path is quoted with
+    repr, so a newline or an escape in a file name cannot forge a log line."""
+    entry = (source.id, str(relative), why)
+    with _skipped_lock:
+        if entry in _skipped:
+            return
+        _skipped.add(entry)
+    logger.warning("source %s: skipping %r: %s", source.id, str(relative), why)
+
+
+def _file_item(source: SourceConfig, path: Path, key: str, raw: bytes, stat: os.stat_result) -> Item | None:
     if b"\0" in raw:
         logger.warning("source %s: skipping %s: binary file", source.id, path)
         return None
@@ -114,10 +200,18 @@ def _file_item(source: SourceConfig, path: Path, key: str) -> Item | None:
     body = text
     match = _FRONT_MATTER.match(text)
     if match:
+        front = match.group(1)
+        if len(front.encode("utf-8")) > FRONT_MATTER_CAP:
+            logger.warning(
+                "source %s: skipping %s: front matter over FRONT_MATTER_CAP (%d bytes)", source.id, path, FRONT_MATTER_CAP
+            )
+            return None
         try:
-            loaded = yaml.safe_load(match.group(1))
+            loaded = yamlload.load(front)
         except yaml.YAMLError as exc:
-            logger.warning("source %s: skipping %s: invalid YAML front matter (%s)", source.id, path, exc)
+            # The front matter starts on the file's line 2 (after the opening ---).
+            problem = yamlload.problem(exc, line_offset=1)
+            logger.warning("source %s: skipping %s: invalid YAML front matter (%s)", source.id, path, problem)
             return None
         if loaded is not None and not isinstance(loaded, dict):
             logger.warning("source %s: skipping %s: front matter is not a mapping of fields", source.id, path)
@@ -126,13 +220,18 @@ def _file_item(source: SourceConfig, path: Path, key: str) -> Item | None:
         body = text[match.end() :]
     title = fields.get("title")
     title = str(title).strip() if title not in (None, "") else _title_from(body) or key
-    payload = {**fields, "path": str(path), "body": body}
+    item_payload = {**fields, "path": str(path), "body": body}
+    try:
+        payload.task_payload_check(item_payload)
+    except payload.PayloadError as exc:
+        logger.warning("source %s: skipping %s: %s", source.id, path, exc)
+        return None
     updated = dt.datetime.fromtimestamp(stat.st_mtime, tz=dt.UTC).isoformat()
     return Item(
         key=key,
         title=title,
         body=body,
-        payload=payload,
+        payload=item_payload,
         content_hash=hashlib.sha256(raw).hexdigest(),
         updated_at=updated,
     )
@@ -281,8 +380,8 @@ def _parse_objects(text: str) -> list[dict]:
         return []
     if stripped.startswith("["):
         try:
-            loaded = json.loads(stripped)
-        except json.JSONDecodeError as exc:
+            loaded = jsonlimits.loads(stripped)
+        except jsonlimits.JSONLimitError as exc:
             raise ValueError(f"not a JSON array: {exc}") from None
         objects = loaded
     else:
@@ -290,8 +389,8 @@ def _parse_objects(text: str) -> list[dict]:
         for number, line in enumerate(text.splitlines(), start=1):
             if line.strip():
                 try:
-                    objects.append(json.loads(line))
-                except json.JSONDecodeError as exc:
+                    objects.append(jsonlimits.loads(line))
+                except jsonlimits.JSONLimitError as exc:
                     raise ValueError(f"line {number} is not JSON: {exc}") from None
     for number, obj in enumerate(objects, start=1):
         if not isinstance(obj, dict):
@@ -309,12 +408,14 @@ def _object_item(obj: dict) -> Item:
     body = _text(obj.get("body"))
     title = _text(obj.get("title")) or _title_from(body) or key
     updated = obj.get("updated_at")
+    item_payload = {k: v for k, v in obj.items() if k not in _RESERVED}
+    payload.task_payload_check(item_payload, what=f"the payload of id {key!r}")  # a PayloadError is a ValueError
     canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return Item(
         key=key,
         title=title,
         body=body,
-        payload={k: v for k, v in obj.items() if k not in _RESERVED},
+        payload=item_payload,
         # surrogatepass: a lone surrogate from JSON ("\ud800") must not fail the whole poll.
         content_hash=hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest(),
         updated_at=None if updated is None else str(updated),

@@ -9,11 +9,17 @@ optional); the first name comes from the context, each further key walks into
 a dict (or a list, by index). Braces that do not hold a dotted name — such as
 Go templates `{{.State}}` in a `docker inspect --format` — are left alone.
 
-With `shell=True` every substituted value is `shlex.quote`d, so task text is
-always one shell word. For that to hold the placeholder must stand outside
-any quotes in the command: `echo "{{ task.title }}"` would put the quoted
+In a `run` command (`render_command`, what the executor uses) a placeholder
+becomes `"$APIARY_T_1"`, `"$APIARY_T_2"`, … and its value goes into the step's
+environment under that name: the shell expands each to exactly its value, one
+word, and never parses the value as shell text, so no quoting mistake of ours
+(or quirk of a shell we do not model) can turn task text into code.
+`render(…, shell=True)` is the same command with each value `shlex.quote`d in
+place, for a self-contained string. In both the placeholder must stand outside
+any quotes in the command (inside them the reference would be text, or the
+value's quoting undone): `echo "{{ task.title }}"` would put the quoted
 value inside double quotes, where `$(…)` still runs, so it is rejected.
-So is a placeholder inside arithmetic (`$(( … ))`, `$[ … ]`, bash's `(( … ))`),
+So is one inside bash's `$'…'`, or right after a `$`. So is a placeholder inside arithmetic (`$(( … ))`, `$[ … ]`, bash's `(( … ))`),
 whose expression is expanded as if double-quoted — single quotes there are
 literal characters and a quoted `$(…)` runs — and inside backquotes, which
 re-parse their text so a backquote in the value would end them. (A value is
@@ -36,7 +42,34 @@ class TemplateError(ValueError):
 
 
 def render(template: str, context: Mapping[str, Any], *, shell: bool = False) -> str:
-    """Substitute every placeholder of `template` from `context`."""
+    """Substitute every placeholder of `template` from `context`. With
+    `shell=True` each value is spliced in `shlex.quote`d: one self-contained
+    command string (what a person would type). Steps do not run this form:
+    the executor uses `render_command`, where no task text is in the command."""
+    return _render(template, context, shell=shell, substitute=shlex.quote if shell else str)
+
+
+VALUE_VARIABLE = "APIARY_T_{n}"  # the environment variable of a `run` command's n-th placeholder
+
+
+def render_command(template: str, context: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
+    """A `run` command and the environment it needs: placeholder n becomes
+    `"$APIARY_T_n"` (a double-quoted parameter expansion, which the shell
+    expands to exactly the value, as one word, and never parses again) and
+    its value goes into the environment under that name. The placeholders
+    refused by `render(shell=True)` are refused here too, so a template that
+    renders means the same in both forms."""
+    env: dict[str, str] = {}
+
+    def reference(text: str) -> str:
+        name = VALUE_VARIABLE.format(n=len(env) + 1)
+        env[name] = text
+        return f'"${name}"'
+
+    return _render(template, context, shell=True, substitute=reference), env
+
+
+def _render(template: str, context: Mapping[str, Any], *, shell: bool, substitute) -> str:
     out: list[str] = []
     position = 0
     quote_state = _QuoteState()
@@ -49,8 +82,7 @@ def render(template: str, context: Mapping[str, Any], *, shell: bool = False) ->
             if problem:
                 where, advice = problem
                 raise TemplateError(f"placeholder {{{{ {match.group(1)} }}}} is {where} in a shell command; {advice}")
-        text = _to_text(_lookup(match.group(1), context))
-        out.append(shlex.quote(text) if shell else text)
+        out.append(substitute(_to_text(_lookup(match.group(1), context))))
         position = match.end()
     out.append(template[position:])
     return "".join(out)
@@ -92,19 +124,24 @@ _VIA_VARIABLE = (
 )
 
 
+_QUOTE_NAMES = {"single": "single", "double": "double", "ansi": "$'…'"}
+
+
 class _QuoteState:
     """Tracks whether the shell text seen so far leaves us inside '…' or "…",
     arithmetic or backquotes.
 
-    Enough of POSIX sh lexing to catch a placeholder wrapped in quotes:
-    single quotes, double quotes, backslash escapes outside single quotes,
+    Enough of POSIX sh (and bash) lexing to catch a placeholder wrapped in
+    quotes: single quotes, double quotes, bash's `$'…'` (inside which a
+    backslash escapes, so `\'` does not end it), backslash escapes outside
+    single quotes, a `$` right before the placeholder,
     comments, here-documents (`<<`, not the here-string `<<<`), arithmetic
     (`$((`, bash's `((` and `$[`, by counting brackets until they close) and
     backquotes.
     """
 
     def __init__(self) -> None:
-        self.inside: str | None = None  # None, "single" or "double"
+        self.inside: str | None = None  # None, "single", "double" or "ansi" ($'…', where \ escapes)
         self._escaped = False
         self._angle_run = 0  # consecutive unquoted '<'
         self.heredoc = False
@@ -114,11 +151,15 @@ class _QuoteState:
         self._parens = 0  # open '(' of an arithmetic $(( … )) or (( … )), 0 outside
         self._brackets = 0  # open '[' of a $[ … ], 0 outside
         self._backquoted = False
+        self._dollar = False  # the last character was an unquoted, unescaped `$`
 
     def problem(self) -> tuple[str, str] | None:
         """(where, advice) when a quoted word may not start here, or None when it may."""
         if self.inside:
-            return f"inside {self.inside} quotes", _UNQUOTE
+            return f"inside {_QUOTE_NAMES[self.inside]} quotes", _UNQUOTE
+        if self._dollar:
+            # `$'…'` and `$"…"` are quotes of their own in bash: `${{ x }}` would begin one with the value.
+            return "right after a $", _UNQUOTE
         if self._comment:
             # In a comment quotes mean nothing and a newline in the value would end the comment.
             return "inside a comment", _UNQUOTE
@@ -140,6 +181,7 @@ class _QuoteState:
     def feed(self, text: str) -> None:
         for char in text:
             previous, self._previous = self._previous, char
+            dollar, self._dollar = self._dollar, False
             if self._comment:
                 # Quotes in a comment (`# don't`) are not quotes.
                 self._comment = char != "\n"
@@ -153,7 +195,7 @@ class _QuoteState:
             if self._angle_run == 2:
                 self.heredoc = True
             self._angle_run = 0
-            if self.inside == "single" or self._escaped:
+            if self.inside in ("single", "ansi") or self._escaped:
                 self._recent = ""
             else:
                 self._track_brackets(char)
@@ -161,6 +203,12 @@ class _QuoteState:
                 self._escaped = False
             elif self.inside == "single":
                 if char == "'":
+                    self.inside = None
+            elif self.inside == "ansi":
+                # bash's ANSI-C quotes: `\'` is a quote character inside them, not their end.
+                if char == "\\":
+                    self._escaped = True
+                elif char == "'":
                     self.inside = None
             elif char == "\\":
                 self._escaped = True
@@ -170,9 +218,11 @@ class _QuoteState:
                 if char == '"':
                     self.inside = None
             elif char == "'":
-                self.inside = "single"
+                self.inside = "ansi" if dollar else "single"
             elif char == '"':
                 self.inside = "double"
+            elif char == "$":
+                self._dollar = True
 
     def _track_brackets(self, char: str) -> None:
         """Arithmetic opens with `((` (also the tail of `$((`) or `$[` and lasts

@@ -16,9 +16,10 @@ from django.http import HttpRequest
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser
 
+from jobqueue.jsonlimits import MAX_DEPTH  # shared with the workflow payload and the worker's claim check
+
 from .errors import PayloadTooLarge
 
-MAX_DEPTH = 32  # protocol documents nest a few levels; summaries get room to spare
 _CHUNK = 64 * 1024
 
 

@@ -9,6 +9,7 @@ to the `workflows.config` package, shared by its modules.
 """
 
 import difflib
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -107,12 +108,32 @@ class _Checker:
         # Sections with an entry whose id could not be read: a reference to an
         # id we cannot see is then not reported again as "unknown".
         self.incomplete: set[str] = set()
+        # (key path, value, "${NAME}") of every value `${NAME}` took from the environment: a
+        # message never shows one (it may be a token), only the variable that supplied it.
+        self.hidden: list[tuple[str, str, str]] = []
+
+    def hide(self, path: str, name: str, value: str) -> None:
+        if value:
+            self.hidden.append((path, value, f"${{{name}}}"))
+
+    def _scrub(self, path: str, message: str) -> str:
+        """`message` with every interpolated value replaced by its `${NAME}`: at
+        the key path the error is about, whatever its length; anywhere else
+        values of 4 characters or more (shorter ones would replace digits of
+        unrelated numbers, and hold no secret worth the name)."""
+        for where, value, reference in sorted(self.hidden, key=lambda h: -len(h[1])):
+            if where == path or where.startswith(f"{path}.") or len(value) >= 4:
+                for form in sorted({value, repr(value)[1:-1], json.dumps(value)[1:-1]}, key=len, reverse=True):
+                    message = message.replace(form, reference)
+        return message
 
     def error(self, path: str, message: str) -> None:
+        message = self._scrub(path, message)
         self.errors.append(f"{self.display}: {path}: {message}" if path else f"{self.display}: {message}")
         self.failed.add(path)
 
     def warn(self, path: str, message: str) -> None:
+        message = self._scrub(path, message)
         self.warnings.append(f"{self.display}: {path}: {message}" if path else f"{self.display}: {message}")
 
     # -- shapes

@@ -1,5 +1,6 @@
-"""Find apiary.yaml and turn it into a `Config`: read the file, parse YAML
-(duplicate keys rejected), interpolate `${VAR}`, then hand over to the
+"""Find apiary.yaml and turn it into a `Config`: read the file (at most
+CONFIG_CAP bytes), parse YAML (workflows.yamlload: no anchors or aliases, no
+duplicate keys), interpolate `${VAR}`, then hand over to the
 section checkers.
 
 Only a file that cannot be read or parsed at all stops early (there is nothing
@@ -15,11 +16,13 @@ from typing import Any
 
 import yaml
 
+from .. import yamlload
 from .checker import _BAD, _Checker, _describe, _Interpolated, _key
 from .schema import Config
 from .sections import _build
 
 DEFAULT_CONFIG_NAME = "apiary.yaml"
+CONFIG_CAP = 1024 * 1024  # bytes of apiary.yaml read at most; a larger file is refused unparsed
 
 
 class ConfigError(Exception):
@@ -57,7 +60,11 @@ def load(path: Path | str, *, environ: Mapping[str, str] | None = None) -> Confi
     display = str(path)
     absolute = Path(os.path.abspath(Path(path).expanduser()))
     try:
-        text = absolute.read_text(encoding="utf-8")
+        with open(absolute, "rb") as file:
+            data = file.read(CONFIG_CAP + 1)
+        if len(data) > CONFIG_CAP:
+            raise ConfigError(f"{display}: larger than {CONFIG_CAP} bytes (CONFIG_CAP); is this the config file?")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{display}: config file not found") from None
     except IsADirectoryError:
@@ -67,9 +74,9 @@ def load(path: Path | str, *, environ: Mapping[str, str] | None = None) -> Confi
     except OSError as exc:
         raise ConfigError(f"{display}: cannot read ({exc.strerror})") from None
     try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: as safe as yaml.safe_load
+        raw = yamlload.load(text)  # no anchors or aliases, no duplicate keys, bounded depth
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{display}: {_yaml_problem(exc)}") from None
+        raise ConfigError(f"{display}: {yamlload.problem(exc)}") from None
     if raw is None:
         raise ConfigError(f"{display}: the file is empty; expected a mapping with agents, workflows and sources")
     if not isinstance(raw, dict):
@@ -80,42 +87,6 @@ def load(path: Path | str, *, environ: Mapping[str, str] | None = None) -> Confi
     if check.errors:
         raise ConfigError(check.errors)
     return config
-
-
-# --------------------------------------------------------------------------- YAML
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys: plain safe_load keeps
-    the last one silently, which would hide a whole agent or setting."""
-
-
-def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: set = set()
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue  # `<<: *anchor` may be overridden by explicit keys; that is not a duplicate
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in seen
-        except TypeError:
-            continue  # unhashable key: construct_mapping reports it properly
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                "while reading a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return f"{where}invalid YAML: {problem}"
 
 
 # --------------------------------------------------------------------------- ${VAR} interpolation
@@ -164,6 +135,8 @@ def _interpolate_string(check: _Checker, text: str, path: str, environ: Mapping[
         else:
             name, default = match.group(1), match.group(2)
             found = environ.get(name)
+            if found:
+                check.hide(path, name, found)  # an error about this value names ${NAME}, never the value
             if default is not None and not found:
                 found = default
             if found is None:

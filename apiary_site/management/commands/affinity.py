@@ -2,6 +2,7 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
+from apiary_site.management.inputs import positive_id, queue_database
 from jobqueue import selectors, services
 from workflows.models import Task
 from workflows.services import affinity_key
@@ -12,16 +13,18 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("action", choices=["release"], help="what to do with the pin")
-        parser.add_argument("task", type=int, help="task id")
+        parser.add_argument("task", type=positive_id, help="task id")
         parser.add_argument("--config", metavar="PATH", help="apiary.yaml (read by the apiary entry point)")
 
     def handle(self, *args, **options):
         task_id = options["task"]
-        if not Task.objects.filter(pk=task_id).exists():
-            raise CommandError(f"no task {task_id}")
-        key = affinity_key(task_id)
-        pinned_to = selectors.affinity_pin(key=key)
-        if services.affinity_release(key=key):
+        with queue_database():
+            if not Task.objects.filter(pk=task_id).exists():
+                raise CommandError(f"no task {task_id}")
+            key = affinity_key(task_id)
+            pinned_to = selectors.affinity_pin(key=key)
+            released = services.affinity_release(key=key)
+        if released:
             self.stdout.write(f"task {task_id}: released its pin to worker {pinned_to}")
         else:
             self.stdout.write(f"task {task_id} was not pinned")

@@ -2,6 +2,7 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
+from apiary_site.management.inputs import positive_id, queue_database
 from jobqueue import services
 from jobqueue.exceptions import NotFound
 from jobqueue.models import TERMINAL_JOB_STATES, JobState
@@ -12,19 +13,20 @@ class Command(BaseCommand):
     help = "Cancel a workflow instance: at once when queued, at the worker's next heartbeat when running."
 
     def add_arguments(self, parser):
-        parser.add_argument("instance", type=int, help="workflow instance id")
+        parser.add_argument("instance", type=positive_id, help="workflow instance id")
         parser.add_argument("--config", metavar="PATH", help="apiary.yaml (read by the apiary entry point)")
 
     def handle(self, *args, **options):
         instance_id = options["instance"]
-        instance = instance_of(instance_id=instance_id)
-        if instance is None or instance.job is None:
-            raise CommandError(f"no workflow instance {instance_id}")
-        before = instance.job
-        try:
-            job = services.job_cancel(job_id=before.pk)
-        except NotFound as exc:
-            raise CommandError(f"no workflow instance {instance_id}: {exc.message}") from exc
+        with queue_database():
+            instance = instance_of(instance_id=instance_id)
+            if instance is None or instance.job is None:
+                raise CommandError(f"no workflow instance {instance_id}")
+            before = instance.job
+            try:
+                job = services.job_cancel(job_id=before.pk)
+            except NotFound as exc:
+                raise CommandError(f"no workflow instance {instance_id}: {exc.message}") from exc
         what = f"instance {instance_id} (job {job.pk})"
         if before.state in TERMINAL_JOB_STATES:
             self.stdout.write(f"{what} already {before.state}; nothing to cancel")

@@ -2,6 +2,7 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
+from apiary_site.management.inputs import queue_database
 from jobqueue import services
 from jobqueue.exceptions import NotFound
 
@@ -18,7 +19,8 @@ class Command(BaseCommand):
         worker_id = options["worker_id"]
         call = services.worker_undrain if options["undo"] else services.worker_drain
         try:
-            call(worker_id=worker_id)
+            with queue_database():
+                call(worker_id=worker_id)
         except NotFound as exc:
             raise CommandError(f"no worker {worker_id!r}") from exc
         if options["undo"]:

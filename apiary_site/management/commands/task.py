@@ -1,10 +1,11 @@
 """`apiary task add --source S --title T [--body B] [--workflow W]…`: a task by hand."""
 
-import json
-
 from django.core.management.base import BaseCommand, CommandError
 
 from apiary_site import bootstrap
+from apiary_site.management.inputs import queue_database
+from jobqueue import jsonlimits
+from workflows import payload as workflow_payload
 from workflows import services
 
 
@@ -30,11 +31,16 @@ class Command(BaseCommand):
     def handle(self, *args, **options):
         config = bootstrap.configure(options.get("config") or options.get("config_sub"))
         try:
-            payload = json.loads(options["payload"])
-        except json.JSONDecodeError as exc:
-            raise CommandError(f"--payload: not valid JSON ({exc})") from exc
+            # NaN, ±Infinity and deep nesting are refused here, never by the database or a RecursionError.
+            payload = jsonlimits.loads(options["payload"], max_depth=workflow_payload.TASK_PAYLOAD_DEPTH)
+        except jsonlimits.JSONLimitError as exc:
+            raise CommandError(f"--payload: {exc}") from None
         if not isinstance(payload, dict):
             raise CommandError("--payload: expected a JSON object")
+        try:
+            workflow_payload.task_payload_check(payload, what="--payload")
+        except workflow_payload.PayloadError as exc:
+            raise CommandError(str(exc)) from None
         source = options["source"]
         workflows = tuple(options["workflow"])
         if not workflows:
@@ -47,9 +53,13 @@ class Command(BaseCommand):
         unknown = [w for w in workflows if w not in config.workflows]
         if unknown:
             raise CommandError(f"unknown workflow(s) {', '.join(unknown)}; known: {', '.join(config.workflows)}")
-        bootstrap.prepare_database(config)  # a task may be added before `apiary run` ever ran here
-        task = services.task_add(source=source, title=options["title"], body=options["body"], payload=payload)
-        jobs = services.dispatch(config=config, task=task, workflows=workflows)
+        with queue_database():
+            bootstrap.prepare_database(config)  # a task may be added before `apiary run` ever ran here
+            task = services.task_add(source=source, title=options["title"], body=options["body"], payload=payload)
+            try:
+                jobs = services.dispatch(config=config, task=task, workflows=workflows)
+            except workflow_payload.PayloadError as exc:  # the task's text makes the job's payload too large
+                raise CommandError(f"task {task.pk} added, but not dispatched: {exc}") from None
         self.stdout.write(f"task {task.pk} ({task.source}:{task.item_key}) dispatched: " + ", ".join(
             f"instance {job.payload['instance_id']} ({job.payload['workflow']})" for job in jobs
         ))

@@ -1,0 +1,36 @@
+"""What operator commands share about bad input: ids, and a queue database
+they cannot use.
+
+`positive_id` is the argparse type of a row id (`apiary cancel INSTANCE`,
+`apiary affinity release TASK`): a whole number from 1 to 2**63 - 1, so a
+negative or 30-digit id is a usage error (exit 2) instead of an integer the
+database refuses. `queue_database()` turns a database that cannot be used (a
+folder where `apiary run` never ran, an unreachable server) into a
+CommandError saying so, never a traceback.
+"""
+
+import argparse
+import contextlib
+
+from django.core.management.base import CommandError
+from django.db import DatabaseError, connection
+
+from jobqueue.exceptions import Unavailable
+
+MAX_ID = 2**63 - 1  # a 64-bit primary key, on SQLite and PostgreSQL alike
+
+
+def positive_id(text: str) -> int:
+    text = text.strip()
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_ID:
+        raise argparse.ArgumentTypeError(f"expected an id (a whole number from 1 to {MAX_ID}), got {text!r}")
+    return int(text)
+
+
+@contextlib.contextmanager
+def queue_database():
+    try:
+        yield
+    except (DatabaseError, Unavailable) as exc:
+        where = connection.settings_dict["NAME"]
+        raise CommandError(f"cannot use the queue database {where} ({exc}); has `apiary run` run here?") from None
