@@ -8,6 +8,7 @@ lease durations, limits and the worker token are the same everywhere.
 from django.conf import settings
 from django.core.management import CommandError, call_command
 
+from apiary_site import security
 from jobqueue import conf
 from workflows.config import Config, ConfigError, find_config_path, load
 
@@ -32,3 +33,4 @@ def prepare_database(config: Config) -> None:
 def apply(config: Config) -> None:
     conf.configure(config.queue_config())
     settings.APIARY_WORKER_TOKEN = config.settings.queue.worker_token or ""
+    security.apply(config.settings.queue)

@@ -53,7 +53,10 @@ def _secret_key() -> str:
 
 SECRET_KEY = _secret_key()
 DEBUG = os.environ.get("APIARY_DEBUG") == "1"
-ALLOWED_HOSTS = ["*"]  # the listener binds exactly `queue.listen`; TLS and host checks belong to the proxy
+# Loopback only until apiary.yaml is in force: bootstrap.apply sets the
+# listener's hosts, TLS and cookie settings from settings.queue
+# (apiary_site.security), in every process before it serves anything.
+ALLOWED_HOSTS = ["localhost", "127.0.0.1", "[::1]"]
 
 INSTALLED_APPS = [
     "django.contrib.admin",
