@@ -5,12 +5,15 @@ listener's gunicorn processes, the operations commands) calls `configure`, so
 lease durations, limits and the worker token are the same everywhere.
 """
 
+import os
+from pathlib import Path
+
 from django.conf import settings
 from django.core.management import CommandError, call_command
 
 from apiary_site import security
 from jobqueue import conf
-from workflows.config import Config, ConfigError, find_config_path, load
+from workflows.config import DEFAULT_CONFIG_NAME, Config, ConfigError, find_config_path, load
 
 
 def configure(explicit_path: str | None = None) -> Config:
@@ -21,6 +24,14 @@ def configure(explicit_path: str | None = None) -> Config:
         raise CommandError(str(exc), returncode=2) from exc
     apply(config)
     return config
+
+
+def configure_if_present(explicit_path: str | None = None) -> Config | None:
+    """`configure` when there is a config to read: a named one (an error if
+    missing), else $APIARY_CONFIG, else ./apiary.yaml; None when there is none."""
+    if explicit_path or os.environ.get("APIARY_CONFIG") or Path(DEFAULT_CONFIG_NAME).is_file():
+        return configure(explicit_path)
+    return None
 
 
 def prepare_database(config: Config) -> None:

@@ -10,6 +10,7 @@ decides is where the state lives and which database holds the queue:
   PostgreSQL when `DATABASE_URL=postgres://…` is set.
 """
 
+import datetime
 import os
 import secrets
 from pathlib import Path
@@ -67,6 +68,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "axes",  # admin login throttling
     "jobqueue.apps.JobQueueConfig",
     "workflows.apps.WorkflowsConfig",
     "apiary_site",  # the management commands: they parse arguments and wire the layers
@@ -79,7 +81,37 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "apiary_site.middleware.ContentSecurityPolicyMiddleware",
+    "axes.middleware.AxesMiddleware",  # last, as django-axes requires
 ]
+
+# The admin's headers (the worker protocol answers JSON and gets SecurityMiddleware's only).
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+# Django's admin has no inline script or style: everything comes from /static/.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; font-src 'self'; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+SESSION_COOKIE_HTTPONLY = True
+# SECURE_* (HSTS, redirect, proxy header) and the Secure cookies follow
+# settings.queue.tls: apiary_site.security.
+
+# Admin logins: 5 failures lock that username, and that client address, for
+# 15 minutes (django-axes, recorded in the database so every listener process
+# counts alike). `apiary axes_reset_username NAME` lifts a lock early.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = 5
+AXES_COOLOFF_TIME = datetime.timedelta(minutes=15)
+AXES_LOCKOUT_PARAMETERS = ["ip_address", "username"]
+AXES_CLIENT_IP_CALLABLE = "apiary_site.security.client_ip"
+AXES_VERBOSE = False  # its own log lines at every start; lockouts still log a warning
 
 ROOT_URLCONF = "apiary_site.urls"
 WSGI_APPLICATION = "apiary_site.wsgi.application"
