@@ -41,8 +41,8 @@ def _secret_key() -> str:
     if not STATE_DIR.is_dir():  # no state yet: nothing this process signs outlives it
         return key
     draft = STATE_DIR / f".secret_key.{os.getpid()}"
-    draft.write_text(key)
-    draft.chmod(0o600)
+    with os.fdopen(os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:  # never readable by others
+        out.write(key)
     try:
         os.link(draft, path)  # atomic: of two processes racing here, one key wins
     except FileExistsError:
