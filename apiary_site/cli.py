@@ -19,8 +19,8 @@ USAGE = """usage: apiary COMMAND [options]   (apiary COMMAND --help for its opti
 
   run [--config F] [--until-idle]      the control plane, embedded worker and listener
   check [--config F]                   validate apiary.yaml (exit 0 or 2)
-  status [--json] [--control-plane URL --token T]
-  worker --control-plane URL --token T --id ID [--pool P] [--label L]… [--capability C]… [--capacity N]
+  status [--json] [--control-plane URL --token-file F]
+  worker --control-plane URL --token-file F --id ID [--pool P] [--label L]… [--capability C]… [--capacity N]
   worker drain ID | worker undrain ID
   task add --source S --title T [--body B] [--workflow W]…
   cancel INSTANCE

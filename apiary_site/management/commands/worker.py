@@ -1,12 +1,13 @@
 """`apiary worker`: a remote worker claiming jobs from a control plane over HTTP."""
 
 import logging
-import os
 import threading
 
 from django.core.management.base import BaseCommand, CommandError
 
+from apiary_site import tokens
 from jobqueue.types import WORKER_ID_HINT, WORKER_ID_RE
+from workers import private
 from workers.backoff import Backoff
 from workers.http import HttpTransport
 from workers.localdb import LocalDB
@@ -27,7 +28,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--control-plane", required=True, help="base URL, e.g. http://10.0.0.5:8080")
-        parser.add_argument("--token", help="worker token (default: $APIARY_WORKER_TOKEN)")
+        tokens.add_arguments(parser)  # --token, --token-file; default $APIARY_WORKER_TOKEN
         parser.add_argument("--id", dest="worker_id", required=True, help="worker id, unique per process")
         parser.add_argument("--pool", default=None)
         parser.add_argument("--label", action="append", default=[], help="repeatable")
@@ -39,9 +40,11 @@ class Command(BaseCommand):
         parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL of a step")
 
     def handle(self, *args, **options):
-        token = options["token"] or os.environ.get("APIARY_WORKER_TOKEN", "")
+        token = tokens.worker_token(token=options["token"], token_file=options["token_file"], warn=self.stderr.write)
         if not token:
-            raise CommandError("no worker token: pass --token or set APIARY_WORKER_TOKEN", returncode=2)
+            raise CommandError(
+                "no worker token: pass --token-file PATH, or pass --token or set APIARY_WORKER_TOKEN", returncode=2
+            )
         if options["capacity"] < 1:
             raise CommandError(f"--capacity must be at least 1, got {options['capacity']}", returncode=2)
         try:
@@ -51,7 +54,7 @@ class Command(BaseCommand):
         worker_id = options["worker_id"]
         if not WORKER_ID_RE.fullmatch(worker_id):  # also a file name under .apiary/: checked before any use
             raise CommandError(f"--id {worker_id!r}: expected {WORKER_ID_HINT}", returncode=2)
-        state = config.state_dir
+        state = private.private_dir(config.state_dir)  # 0700: histories and logs are the owner's only
         groups = ProcessGroups(state / "run" / worker_id)
         groups.reap_orphans(grace=options["grace"])
         localdb = LocalDB(state / "workers" / f"{worker_id}.db")
