@@ -8,6 +8,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from apiary_site import bootstrap, security
 from apiary_site import listener as apiary_listener
+from apiary_site.statelock import StateLock, StateLocked
 from jobqueue import services as queue
 from workflows.controlplane import ControlPlane
 from workflows.daemon import Daemon, embedded_runtime
@@ -33,6 +34,16 @@ class Command(BaseCommand):
         refusals = security.refusals(config.settings.queue, debug=settings.DEBUG)
         if refusals:  # before anything starts: no state directory, no listener, no migration
             raise CommandError("; ".join(refusals), returncode=2)
+        try:  # before anything else starts; held until the daemon has stopped
+            lock = StateLock.acquire(config.state_dir)
+        except StateLocked as exc:
+            raise CommandError(str(exc)) from exc
+        try:
+            self._run(config, options)
+        finally:
+            lock.release()
+
+    def _run(self, config, options):
         bootstrap.prepare_database(config)
         expired = queue.reconcile()
         log.info(
