@@ -25,7 +25,8 @@ USAGE = """usage: apiary COMMAND [options]   (apiary COMMAND --help for its opti
   task add --source S --title T [--body B] [--workflow W]…
   cancel INSTANCE
   affinity release TASK
-  backup PATH
+  backup PATH                          a consistent copy of the SQLite database (0600)
+  restore PATH                         replace it with a backup (refused while `apiary run` runs)
 
 Django's own commands work too (apiary migrate, apiary createsuperuser, …;
 apiary help --commands lists them).
