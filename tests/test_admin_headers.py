@@ -4,7 +4,7 @@ redirect (never for the worker protocol); a throttle on login failures; and
 `manage.py check --deploy` clean for the README's production configuration."""
 
 import subprocess
-import textwrap
+from pathlib import Path
 
 import pytest
 from django.test import Client
@@ -25,20 +25,13 @@ TLS = QueueSettings(
 )
 HTTPS = {"HTTP_X_FORWARDED_PROTO": "https", "HTTP_HOST": "apiary.example.com"}
 
-# The README's production configuration, verbatim (README: "Production configuration").
-PRODUCTION = """\
-project: prod
-settings:
-  queue:
-    listen: 127.0.0.1:8080            # the TLS proxy on this machine forwards to it
-    worker_token: ${APIARY_WORKER_TOKEN}   # 32+ random characters
-    allowed_hosts: [apiary.example.com]    # the name browsers and workers use
-    tls:
-      proxy_header: X-Forwarded-Proto      # the proxy sets it to https (and drops a client's)
-      hsts_seconds: 31536000
-      hsts_include_subdomains: true
-      hsts_preload: true
-"""
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def production_config() -> str:
+    """The README's production configuration, as documented (its first yaml block), with a project name."""
+    section = README.read_text().split("### Production configuration", 1)[1]
+    return "project: prod\n" + section.split("```yaml\n", 1)[1].split("```", 1)[0]
 
 
 def in_force(settings, queue: QueueSettings) -> None:
@@ -122,7 +115,7 @@ def test_behind_the_proxy_the_throttle_counts_the_forwarded_client(settings, rf)
 
 @pytest.mark.processes
 def test_check_deploy_is_clean_for_the_production_configuration(tmp_path):
-    (tmp_path / "apiary.yaml").write_text(textwrap.dedent(PRODUCTION))
+    (tmp_path / "apiary.yaml").write_text(production_config())
     proc = subprocess.run(
         command("check", "--deploy", "--fail-level", "WARNING", "--config", str(tmp_path / "apiary.yaml")),
         cwd=tmp_path,
@@ -138,7 +131,7 @@ def test_check_deploy_is_clean_for_the_production_configuration(tmp_path):
 
 @pytest.mark.processes
 def test_check_deploy_names_what_a_config_without_tls_lacks(tmp_path):
-    (tmp_path / "apiary.yaml").write_text(textwrap.dedent(PRODUCTION).split("    tls:")[0])
+    (tmp_path / "apiary.yaml").write_text(production_config().split("    tls:")[0])
     proc = subprocess.run(
         command("check", "--deploy", "--config", str(tmp_path / "apiary.yaml")),
         cwd=tmp_path,
