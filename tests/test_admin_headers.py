@@ -143,3 +143,19 @@ def test_check_deploy_names_what_a_config_without_tls_lacks(tmp_path):
     )
     found = {w for w in ("W002", "W004", "W008", "W012", "W016") if f"security.{w}" in proc.stdout + proc.stderr}
     assert found == {"W004", "W008", "W012", "W016"}  # W002 (X-Frame-Options) never: the middleware is always on
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_lockout_holds_under_the_listeners_asgi_handler(asgi_server, admin_user):
+    import requests
+
+    session = requests.Session()
+    url = f"{asgi_server.url}/admin/login/"
+
+    def attempt(password: str) -> int:
+        session.get(url, timeout=10)
+        form = {"username": "admin", "password": password, "csrfmiddlewaretoken": session.cookies["csrftoken"]}
+        return session.post(url, data=form, headers={"Referer": url}, timeout=10, allow_redirects=False).status_code
+
+    assert [attempt("wrong") for _ in range(5)] == [200, 200, 200, 200, 429]
+    assert attempt("password") == 429
