@@ -5,11 +5,17 @@ listener's gunicorn processes, the operations commands) calls `configure`, so
 lease durations, limits and the worker token are the same everywhere.
 """
 
+import os
+from pathlib import Path
+
 from django.conf import settings
 from django.core.management import CommandError, call_command
+from django.db import connection
 
+from apiary_site import security
 from jobqueue import conf
-from workflows.config import Config, ConfigError, find_config_path, load
+from workers import private
+from workflows.config import DEFAULT_CONFIG_NAME, Config, ConfigError, find_config_path, load
 
 
 def configure(explicit_path: str | None = None) -> Config:
@@ -22,14 +28,35 @@ def configure(explicit_path: str | None = None) -> Config:
     return config
 
 
+def configure_if_present(explicit_path: str | None = None) -> Config | None:
+    """`configure` when there is a config to read: a named one (an error if
+    missing), else $APIARY_CONFIG, else ./apiary.yaml; None when there is none."""
+    if explicit_path or os.environ.get("APIARY_CONFIG") or Path(DEFAULT_CONFIG_NAME).is_file():
+        return configure(explicit_path)
+    return None
+
+
 def prepare_database(config: Config) -> None:
     """Create the state directory and bring the schema up to date (a no-op
     when it is): `apiary run` and `apiary task add` may come first on a new project."""
-    config.state_dir.mkdir(parents=True, exist_ok=True)
+    secure_state(config)
     call_command("migrate", interactive=False, verbosity=0)
+
+
+def secure_state(config: Config) -> None:
+    """`.apiary/` 0700; the SQLite database (made here, so its -wal and -shm
+    follow), the secret key and the step logs 0600 — what exists already with
+    wider modes is tightened, with a warning naming it."""
+    state = private.private_dir(config.state_dir)
+    private.tighten(state / "secret_key")
+    if connection.vendor == "sqlite":
+        private.private_sqlite(Path(connection.settings_dict["NAME"]))
+    private.tighten_tree(state / "logs")
+    private.tighten_tree(state / "workers")
 
 
 def apply(config: Config) -> None:
     conf.configure(config.queue_config())
     settings.APIARY_WORKER_TOKEN = config.settings.queue.worker_token or ""
     settings.APIARY_PREVIOUS_WORKER_TOKENS = config.settings.queue.previous_worker_tokens
+    security.apply(config.settings.queue)

@@ -19,13 +19,14 @@ USAGE = """usage: apiary COMMAND [options]   (apiary COMMAND --help for its opti
 
   run [--config F] [--until-idle]      the control plane, embedded worker and listener
   check [--config F]                   validate apiary.yaml (exit 0 or 2)
-  status [--json] [--control-plane URL --token T]
-  worker --control-plane URL --token T --id ID [--pool P] [--label L]… [--capability C]… [--capacity N]
+  status [--json] [--control-plane URL --token-file F]
+  worker --control-plane URL --token-file F --id ID [--pool P] [--label L]… [--capability C]… [--capacity N]
   worker drain ID | worker undrain ID
   task add --source S --title T [--body B] [--workflow W]…
   cancel INSTANCE
   affinity release TASK
-  backup PATH
+  backup PATH                          a consistent copy of the SQLite database (0600)
+  restore PATH                         replace it with a backup (refused while `apiary run` runs)
 
 Django's own commands work too (apiary migrate, apiary createsuperuser, …;
 apiary help --commands lists them).

@@ -29,6 +29,7 @@ from gunicorn.app.base import BaseApplication
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn_worker import UvicornWorker
 
+from workflows.config import is_loopback
 from workflows.config.schema import ListenerSettings as ListenerOptions  # settings.queue.listener
 
 DEFAULTS = ListenerOptions()
@@ -161,6 +162,8 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, default=ListenerOptions.request_timeout)
     parser.add_argument("--idle-timeout", type=float, default=ListenerOptions.idle_timeout)
     args = parser.parse_args()
+    if os.environ.get("APIARY_DEBUG") == "1" and not is_loopback(args.bind):  # as `apiary run` refuses it
+        sys.exit(f"apiary listener: refusing APIARY_DEBUG=1 on {args.bind} (not loopback)")
     os.environ["APIARY_ASGI"] = "1"  # settings: no persistent connections, a pool on PostgreSQL
     if args.parent:
         exit_with_parent(args.parent)  # in the arbiter only: forked workers do not inherit threads

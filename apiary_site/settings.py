@@ -10,6 +10,7 @@ decides is where the state lives and which database holds the queue:
   PostgreSQL when `DATABASE_URL=postgres://…` is set.
 """
 
+import datetime
 import os
 import secrets
 from pathlib import Path
@@ -40,8 +41,8 @@ def _secret_key() -> str:
     if not STATE_DIR.is_dir():  # no state yet: nothing this process signs outlives it
         return key
     draft = STATE_DIR / f".secret_key.{os.getpid()}"
-    draft.write_text(key)
-    draft.chmod(0o600)
+    with os.fdopen(os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:  # never readable by others
+        out.write(key)
     try:
         os.link(draft, path)  # atomic: of two processes racing here, one key wins
     except FileExistsError:
@@ -53,7 +54,10 @@ def _secret_key() -> str:
 
 SECRET_KEY = _secret_key()
 DEBUG = os.environ.get("APIARY_DEBUG") == "1"
-ALLOWED_HOSTS = ["*"]  # the listener binds exactly `queue.listen`; TLS and host checks belong to the proxy
+# Loopback only until apiary.yaml is in force: bootstrap.apply sets the
+# listener's hosts, TLS and cookie settings from settings.queue
+# (apiary_site.security), in every process before it serves anything.
+ALLOWED_HOSTS = ["localhost", "127.0.0.1", "[::1]"]
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -64,6 +68,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "axes",  # admin login throttling
     "jobqueue.apps.JobQueueConfig",
     "workflows.apps.WorkflowsConfig",
     "apiary_site",  # the management commands: they parse arguments and wire the layers
@@ -76,7 +81,37 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "apiary_site.middleware.ContentSecurityPolicyMiddleware",
+    "axes.middleware.AxesMiddleware",  # last, as django-axes requires
 ]
+
+# The admin's headers (the worker protocol answers JSON and gets SecurityMiddleware's only).
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+# Django's admin has no inline script or style: everything comes from /static/.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; font-src 'self'; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+SESSION_COOKIE_HTTPONLY = True
+# SECURE_* (HSTS, redirect, proxy header) and the Secure cookies follow
+# settings.queue.tls: apiary_site.security.
+
+# Admin logins: 5 failures lock that username, and that client address, for
+# 15 minutes (django-axes, recorded in the database so every listener process
+# counts alike). `apiary axes_reset_username NAME` lifts a lock early.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = 5
+AXES_COOLOFF_TIME = datetime.timedelta(minutes=15)
+AXES_LOCKOUT_PARAMETERS = ["ip_address", "username"]
+AXES_CLIENT_IP_CALLABLE = "apiary_site.security.client_ip"
+AXES_VERBOSE = False  # its own log lines at every start; lockouts still log a warning
 
 ROOT_URLCONF = "apiary_site.urls"
 WSGI_APPLICATION = "apiary_site.wsgi.application"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from jobqueue.types import Claim
 
+from . import private
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS step_runs (
     job_id INTEGER NOT NULL, attempt_number INTEGER NOT NULL, step_id TEXT NOT NULL,
@@ -44,7 +46,8 @@ def _now() -> str:
 
 class LocalDB:
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private.private_dir(path.parent)
+        private.private_sqlite(path)  # 0600, and so its -wal and -shm
         self.path = path
         self.lock = threading.Lock()
         self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)

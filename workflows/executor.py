@@ -20,6 +20,7 @@ from typing import Protocol
 
 from jobqueue.text import clean
 from jobqueue.types import Claim
+from workers import private
 from workers.claimcheck import PathOutside, inside
 from workers.executor import Outcome
 from workers.pgroups import ProcessGroups
@@ -88,9 +89,10 @@ def task_environment(
 def task_file_write(task: dict, path: Path) -> None:
     """The whole task as JSON, for APIARY_TASK_FILE. A lone surrogate is
     written as its JSON escape (\\udXXX), so the file is always valid UTF-8 JSON."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private.private_dir(path.parent)
     text = json.dumps(task, ensure_ascii=False, indent=2, default=str)
-    path.write_text(text + "\n", encoding="utf-8", errors="backslashreplace")
+    with private.open_private(path, "w", encoding="utf-8", errors="backslashreplace") as out:
+        out.write(text + "\n")
 
 
 def _capped(text: str, *, whole: str = "$APIARY_TASK_FILE") -> str:
@@ -237,7 +239,7 @@ class Executor:
 def _unstarted(log_path: Path, started: dt.datetime, message: str) -> runners.StepResult:
     """A failed result for a step that raised instead of reporting, with the
     reason in its log (when the log can be written) and its output tail."""
-    with contextlib.suppress(OSError), open(log_path, "a", encoding="utf-8") as log_file:
+    with contextlib.suppress(OSError), private.open_private(log_path, "a", encoding="utf-8") as log_file:
         log_file.write(message + "\n")
     ended = dt.datetime.now(dt.UTC)
     return runners.StepResult(

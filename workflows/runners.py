@@ -44,6 +44,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from workers import private
 from workers.pgroups import KILL_WAIT, kill_process_group, process_group_alive, signal_group
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def run_step(
 
     `env` is the complete environment of the process (not merged with ours)."""
     log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    private.private_dir(log_path.parent)
     started_at = datetime.now(UTC)
     began = time.monotonic()
     capture = _Capture(tail_bytes=tail_bytes)
@@ -137,7 +138,7 @@ def run_step(
         )
 
     # Append: a rerun of the step (a new attempt) must not erase what the previous one logged.
-    with open(log_path, "ab", buffering=0) as log:
+    with private.open_private(log_path, "ab", buffering=0) as log:  # 0600: steps print secrets too
         if cancel.is_set():
             return result("cancelled", None)
         try:

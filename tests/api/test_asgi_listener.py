@@ -52,7 +52,7 @@ def raw_long_poll(server, worker, *, wait: float) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port))
     body = json.dumps({"worker_id": worker.worker_id, "session": worker.session, "wait": wait}).encode()
     sock.sendall(
-        b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         + f"Authorization: Bearer {credential_for(worker.worker_id)}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
@@ -109,7 +109,7 @@ def test_the_token_is_checked_before_the_body_is_read(asgi_server):
     the 10 MB body it announced: nothing of it was read or stored."""
     with socket.create_connection(("127.0.0.1", asgi_server.port), timeout=WAIT) as sock:
         sock.sendall(
-            b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 10000000\r\n\r\n{"
         )
         assert sock.recv(4096).startswith(b"HTTP/1.1 401 ")
@@ -158,7 +158,7 @@ def closed_after(sock, *, trickle: bytes = b"") -> float:
 
 def test_a_client_trickling_its_headers_is_cut_off(strict_server):
     with socket.create_connection(("127.0.0.1", strict_server.port)) as sock:
-        elapsed = closed_after(sock, trickle=b"GET /api/worker/v1/status HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200)
+        elapsed = closed_after(sock, trickle=b"GET /api/worker/v1/status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200)
     assert elapsed < WAIT  # it was the deadline, not the end of the trickle, that closed it
 
 
@@ -174,7 +174,7 @@ def test_an_idle_socket_is_closed_and_others_are_served_meanwhile(strict_server)
 def test_a_declared_body_over_the_limit_is_refused_unread(asgi_server, clock):
     with socket.create_connection(("127.0.0.1", asgi_server.port), timeout=WAIT) as sock:
         sock.sendall(
-            b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + f"Authorization: Bearer {CANARY}\r\nContent-Length: 5000000\r\n\r\n".encode()
         )
         assert sock.recv(4096).startswith(b"HTTP/1.1 413 ")
@@ -184,7 +184,7 @@ def test_a_socket_answered_before_its_body_still_has_a_deadline(strict_server):
     """A 401 goes out before the body is read; a client that then sends the
     body and keeps the socket must still be cut off."""
     with socket.create_connection(("127.0.0.1", strict_server.port), timeout=WAIT) as sock:
-        sock.sendall(b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n")
+        sock.sendall(b"POST /api/worker/v1/claims HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n")
         assert read_response(sock).startswith(b"HTTP/1.1 401 ")
         sock.sendall(b"{}")
         closed_after(sock)

@@ -30,7 +30,10 @@ from .schema import (
     Settings,
     SourceConfig,
     StepConfig,
+    TlsSettings,
     WorkflowConfig,
+    is_loopback,
+    listen_host,
 )
 
 __all__ = [
@@ -42,8 +45,11 @@ __all__ = [
     "Settings",
     "SourceConfig",
     "StepConfig",
+    "TlsSettings",
     "WorkflowConfig",
     "find_config_path",
+    "is_loopback",
+    "listen_host",
     "load",
     "parse_duration",
 ]

@@ -7,6 +7,7 @@ Reading a file into a `Config` is the other modules' job (`loading` first).
 """
 
 import dataclasses
+import ipaddress
 from pathlib import Path
 
 from jobqueue import conf
@@ -77,6 +78,32 @@ class ListenerSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class TlsSettings:
+    """settings.queue.tls: TLS is terminated by a proxy in front of the listener."""
+
+    proxy_header: str  # the header the proxy sets to "https" (and strips from clients), e.g. X-Forwarded-Proto
+    hsts_seconds: int = 31536000
+    hsts_include_subdomains: bool = False
+    hsts_preload: bool = False
+
+
+def listen_host(listen: str) -> str:
+    """The host part of `host:port`, without an IPv6 address's brackets."""
+    return listen.rpartition(":")[0].strip("[]")
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether `host:port` binds only this machine's loopback interface."""
+    host = listen_host(listen)
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to, it is not known to be loopback
+
+
+@dataclasses.dataclass(frozen=True)
 class QueueSettings:
     listen: str | None = None
     worker_token: str | None = None
@@ -84,6 +111,8 @@ class QueueSettings:
     enrollment: bool = _QUEUE_DEFAULTS.enrollment
     claim_rate: float = _QUEUE_DEFAULTS.claim_rate
     forget_workers_after: float = _QUEUE_DEFAULTS.forget_workers_after
+    allowed_hosts: tuple[str, ...] = ()  # Host headers served besides the listen address's own (Django patterns)
+    tls: TlsSettings | None = None
     embedded_worker: bool = True
     lease_duration: float = _QUEUE_DEFAULTS.lease_duration
     heartbeat_interval: float = _QUEUE_DEFAULTS.heartbeat_interval
@@ -147,7 +176,10 @@ QUEUE_KEYS = (
     "max_attempts",
     "concurrency",
     "listener",
+    "allowed_hosts",
+    "tls",
 )
+TLS_KEYS = ("proxy_header", "hsts_seconds", "hsts_include_subdomains", "hsts_preload")
 LISTENER_KEYS = ("processes", "request_timeout", "idle_timeout")
 CONCURRENCY_KEYS = tuple(f"default_{d}" for d in conf.DIMENSIONS) + tuple(conf.PLURAL[d] for d in conf.DIMENSIONS)
 AGENT_KEYS = (

@@ -20,12 +20,18 @@ from .schema import (
     LISTENER_KEYS,
     QUEUE_KEYS,
     SETTINGS_KEYS,
+    TLS_KEYS,
     AgentConfig,
     ListenerSettings,
     QueueSettings,
     Settings,
     SourceConfig,
+    TlsSettings,
+    is_loopback,
 )
+
+# A worker token guards every job's commands: this short, it is guessable.
+MIN_TOKEN_LENGTH = 32
 
 # What an absent settings.queue key means comes from jobqueue.conf, not from here.
 _QUEUE_DEFAULTS = conf.QueueConfig()
@@ -62,8 +68,15 @@ def _queue(
     token = check.string(section.get("worker_token"), f"{p}.worker_token", empty_is_absent=True)
     if listen is not None and token is None and f"{p}.worker_token" not in check.failed:
         check.error(f"{p}.worker_token", "required when settings.queue.listen is set (workers authenticate with it)")
-    elif token is not None and len(token) < 16:
-        check.warn(f"{p}.worker_token", f"only {len(token)} characters; use a long random token (32+ characters)")
+    elif token is not None and len(token) < MIN_TOKEN_LENGTH:
+        if listen is not None and _valid_listen(listen) and not is_loopback(listen):
+            check.error(
+                f"{p}.worker_token",
+                f"only {len(token)} characters; a listener on {listen} (not loopback) needs a random token "
+                f"of {MIN_TOKEN_LENGTH}+ characters (e.g. python3 -c 'import secrets; print(secrets.token_urlsafe(32))')",
+            )
+        else:
+            check.warn(f"{p}.worker_token", f"only {len(token)} characters; use a long random token ({MIN_TOKEN_LENGTH}+ characters)")
     previous = _previous_tokens(check, section.get("previous_worker_tokens"), current=token)
     enrollment = _default(check.boolean(section.get("enrollment"), f"{p}.enrollment"), _QUEUE_DEFAULTS.enrollment)
     claim_rate = check.number(section.get("claim_rate"), f"{p}.claim_rate", minimum=0)
@@ -107,6 +120,8 @@ def _queue(
         check, section.get("concurrency"), concurrency=concurrency, project=project, agents=agents, sources=sources
     )
     listener = _listener(check, section.get("listener"))
+    allowed_hosts = _allowed_hosts(check, section.get("allowed_hosts"))
+    tls = _tls(check, section.get("tls"))
     return QueueSettings(
         listener=listener,
         listen=listen,
@@ -115,6 +130,8 @@ def _queue(
         enrollment=enrollment,
         claim_rate=_default(claim_rate, _QUEUE_DEFAULTS.claim_rate),
         forget_workers_after=_default(forget, _QUEUE_DEFAULTS.forget_workers_after),
+        allowed_hosts=allowed_hosts,
+        tls=tls,
         embedded_worker=embedded,
         lease_duration=lease,
         heartbeat_interval=heartbeat,
@@ -122,9 +139,6 @@ def _queue(
         max_attempts=max_attempts,
         limits=limits,
     )
-
-
-MIN_TOKEN_LENGTH = 32
 
 
 def _previous_tokens(check: _Checker, raw: Any, *, current: str | None) -> tuple[str, ...]:
@@ -158,6 +172,35 @@ def _listener(check: _Checker, raw: Any) -> ListenerSettings:
         processes=_default(processes, defaults.processes),
         request_timeout=_default(request, defaults.request_timeout),
         idle_timeout=_default(idle, defaults.idle_timeout),
+    )
+
+
+def _allowed_hosts(check: _Checker, raw: Any) -> tuple[str, ...]:
+    """Host names (Django's ALLOWED_HOSTS patterns: `apiary.example.com`,
+    `.example.com` for it and its subdomains, `*` for any) the listener serves."""
+    return check.strings(raw, "settings.queue.allowed_hosts", what="host name")
+
+
+def _tls(check: _Checker, raw: Any) -> TlsSettings | None:
+    p = "settings.queue.tls"
+    section = check.mapping(raw, p, TLS_KEYS, required=("proxy_header",))
+    if section is None:
+        return None
+    header = check.word(section.get("proxy_header"), f"{p}.proxy_header", what="an HTTP header name")
+    if header is not None and not all(c.isalnum() or c == "-" for c in header):
+        check.error(f"{p}.proxy_header", f"expected an HTTP header name such as X-Forwarded-Proto, got {header!r}")
+        header = None
+    seconds = check.integer(section.get("hsts_seconds"), f"{p}.hsts_seconds", minimum=0)
+    subdomains = check.boolean(section.get("hsts_include_subdomains"), f"{p}.hsts_include_subdomains")
+    preload = check.boolean(section.get("hsts_preload"), f"{p}.hsts_preload")
+    if header is None:
+        return None
+    defaults = TlsSettings(proxy_header=header)
+    return TlsSettings(
+        proxy_header=header,
+        hsts_seconds=_default(seconds, defaults.hsts_seconds),
+        hsts_include_subdomains=_default(subdomains, defaults.hsts_include_subdomains),
+        hsts_preload=_default(preload, defaults.hsts_preload),
     )
 
 

@@ -1,10 +1,16 @@
 """`apiary backup PATH`: a consistent copy of the control plane's SQLite database."""
 
-import sqlite3
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
+
+from apiary_site import bootstrap, sqlitefiles
+
+POSTGRES = (
+    "on PostgreSQL, backups are pg_dump's job: pg_dump --format=custom \"$DATABASE_URL\" > apiary.dump "
+    "(and pg_restore to restore); apiary backup and restore copy the SQLite database only"
+)
 
 
 class Command(BaseCommand):
@@ -15,19 +21,18 @@ class Command(BaseCommand):
         parser.add_argument("--config")
 
     def handle(self, *args, **options):
+        bootstrap.configure_if_present(options["config"])
         if connection.vendor != "sqlite":
-            raise CommandError("apiary backup copies the SQLite database; on PostgreSQL use pg_dump")
+            raise CommandError(POSTGRES)
         target = Path(options["path"]).resolve()
         if target.exists():
             raise CommandError(f"{target} exists; refusing to overwrite it")
         target.parent.mkdir(parents=True, exist_ok=True)
-        source = sqlite3.connect(connection.settings_dict["NAME"])
-        copy = sqlite3.connect(target)
+        source = Path(connection.settings_dict["NAME"])
+        if not source.is_file():
+            raise CommandError(f"no database at {source}; has `apiary run` run here?")
         try:
-            # SQLite's online backup API: a page-by-page copy that is consistent
-            # even while the daemon writes (it restarts if a page changes).
-            source.backup(copy)
-        finally:
-            copy.close()
-            source.close()
-        self.stdout.write(f"backup written to {target}")
+            sqlitefiles.snapshot(source, target)
+        except (sqlitefiles.CopyError, OSError) as exc:
+            raise CommandError(f"backup failed, nothing written to {target}: {exc}") from exc
+        self.stdout.write(f"backup written to {target} (mode 0600, integrity_check ok)")

@@ -3,10 +3,12 @@
 import argparse
 import logging
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from apiary_site import bootstrap
+from apiary_site import bootstrap, security
 from apiary_site import listener as apiary_listener
+from apiary_site.statelock import StateLock, StateLocked
 from jobqueue import services as queue
 from workflows.controlplane import ControlPlane
 from workflows.daemon import Daemon, embedded_runtime
@@ -29,6 +31,19 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         config = bootstrap.configure(options["config"])
+        refusals = security.refusals(config.settings.queue, debug=settings.DEBUG)
+        if refusals:  # before anything starts: no state directory, no listener, no migration
+            raise CommandError("; ".join(refusals), returncode=2)
+        try:  # before anything else starts; held until the daemon has stopped
+            lock = StateLock.acquire(config.state_dir)
+        except StateLocked as exc:
+            raise CommandError(str(exc)) from exc
+        try:
+            self._run(config, options)
+        finally:
+            lock.release()
+
+    def _run(self, config, options):
         bootstrap.prepare_database(config)
         expired = queue.reconcile()
         log.info(
@@ -50,6 +65,11 @@ class Command(BaseCommand):
                 queue_settings.listen, config_path=str(config.path), listener=queue_settings.listener
             )
             log.info("worker protocol listening on %s (gunicorn + uvicorn, pid %s)", queue_settings.listen, listener.pid)
+            log.info(
+                "serving Host headers %s (add others to settings.queue.allowed_hosts); TLS %s",
+                ", ".join(settings.ALLOWED_HOSTS),
+                f"behind a proxy ({queue_settings.tls.proxy_header})" if queue_settings.tls else "not configured",
+            )
 
         daemon = Daemon(
             config=config,

@@ -13,7 +13,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, connection
 
-from apiary_site import bootstrap
+from apiary_site import bootstrap, tokens
 from jobqueue.exceptions import QueueError
 from jobqueue.models import JobState
 from jobqueue.selectors import BLOCKED_LIMIT, status_document
@@ -124,7 +124,10 @@ def _remote_status(*, url: str | None, token: str | None, ca_cert: str | None) -
     if not url:
         raise CommandError("--token is for a remote status: add --control-plane URL", returncode=2)
     if not token:
-        raise CommandError("no worker token for --control-plane: pass --token or set APIARY_WORKER_TOKEN", returncode=2)
+        raise CommandError(
+            "no worker token for --control-plane: pass --token-file PATH, or pass --token or set APIARY_WORKER_TOKEN",
+            returncode=2,
+        )
     transport = HttpTransport(base_url=url, token=token, worker_id="status", ca_cert=ca_cert, attempts=2)
     try:
         return transport.status()
@@ -145,14 +148,13 @@ class Command(BaseCommand):
             "--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)"
         )
         parser.add_argument("--control-plane", metavar="URL", help="read the status of a remote control plane")
-        parser.add_argument(
-            "--token", metavar="T", help="worker token for --control-plane (default: $APIARY_WORKER_TOKEN)"
-        )
+        tokens.add_arguments(parser)  # for --control-plane; default $APIARY_WORKER_TOKEN
         parser.add_argument("--ca-cert", metavar="PATH", help="CA bundle to verify an https:// control plane")
 
     def handle(self, *args, **options):
-        if options["control_plane"] or options["token"]:
-            doc = _remote_status(url=options["control_plane"], token=options["token"], ca_cert=options["ca_cert"])
+        if options["control_plane"] or options["token"] or options["token_file"]:
+            token = tokens.worker_token(token=options["token"], token_file=options["token_file"], warn=self.stderr.write)
+            doc = _remote_status(url=options["control_plane"], token=token, ca_cert=options["ca_cert"])
         else:
             _apply_config(options["config"])
             try:

@@ -1,13 +1,14 @@
 """`apiary worker`: a remote worker claiming jobs from a control plane over HTTP."""
 
 import logging
-import os
 import threading
 
 from django.core.management.base import BaseCommand, CommandError
 
+from apiary_site import tokens
 from jobqueue.exceptions import Forbidden
 from jobqueue.types import EMBEDDED_ID, MAX_CAPACITY, WORKER_ID_HINT, WORKER_ID_RE
+from workers import private
 from workers.backoff import Backoff
 from workers.credentials import CredentialFile
 from workers.http import HttpTransport
@@ -29,7 +30,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--control-plane", required=True, help="base URL, e.g. http://10.0.0.5:8080")
-        parser.add_argument("--token", help="worker token (default: $APIARY_WORKER_TOKEN)")
+        tokens.add_arguments(parser)  # --token, --token-file; default $APIARY_WORKER_TOKEN
         parser.add_argument(
             "--id",
             dest="worker_id",
@@ -46,9 +47,11 @@ class Command(BaseCommand):
         parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL of a step")
 
     def handle(self, *args, **options):
-        token = options["token"] or os.environ.get("APIARY_WORKER_TOKEN", "")
+        token = tokens.worker_token(token=options["token"], token_file=options["token_file"], warn=self.stderr.write)
         if not token:
-            raise CommandError("no worker token: pass --token or set APIARY_WORKER_TOKEN", returncode=2)
+            raise CommandError(
+                "no worker token: pass --token-file PATH, or pass --token or set APIARY_WORKER_TOKEN", returncode=2
+            )
         if not 1 <= options["capacity"] <= MAX_CAPACITY:
             raise CommandError(f"--capacity must be 1–{MAX_CAPACITY}, got {options['capacity']}", returncode=2)
         try:
@@ -60,7 +63,7 @@ class Command(BaseCommand):
             raise CommandError(f"--id {worker_id!r}: expected {WORKER_ID_HINT}", returncode=2)
         if worker_id == EMBEDDED_ID:
             raise CommandError(f"--id {EMBEDDED_ID!r} is reserved for the control plane's embedded worker", returncode=2)
-        state = config.state_dir
+        state = private.private_dir(config.state_dir)  # 0700: histories and logs are the owner's only
         groups = ProcessGroups(state / "run" / worker_id)
         groups.reap_orphans(grace=options["grace"])
         localdb = LocalDB(state / "workers" / f"{worker_id}.db")

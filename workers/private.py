@@ -1,0 +1,94 @@
+"""State only its owner may read: `.apiary/` is 0700; the databases (with
+SQLite's -wal and -shm), worker histories, logs and the secret key are 0600.
+
+Each helper creates with the private mode from the start (no window in which
+another user could open the file) and tightens what already exists with a
+wider mode, saying so in one warning line that names the path and its old
+mode. SQLite creates a database's -wal and -shm with the database file's
+permissions, so a database file made here keeps its companions private too.
+"""
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("apiary.files")
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
+
+
+def tighten(path: Path) -> bool:
+    """Drop group and other permissions from an existing `path`; True when it had any."""
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        return False
+    if not mode & 0o077:
+        return False
+    path.chmod(mode & ~0o077)
+    log.warning("%s was mode %04o (readable by other users); now %04o", path, mode, mode & ~0o077)
+    return True
+
+
+def private_dir(path: Path) -> Path:
+    """`path` and any missing parents made 0700 (umask aside); an existing `path` tightened."""
+    path = Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for directory in reversed(missing):
+        directory.mkdir(mode=DIR_MODE, exist_ok=True)
+        directory.chmod(DIR_MODE)  # mkdir's mode passes through the umask
+    if not missing:
+        tighten(path)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """`path` created empty at 0600 if missing, else tightened."""
+    path = Path(path)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
+    except FileExistsError:
+        tighten(path)
+    return path
+
+
+def private_sqlite(path: Path) -> Path:
+    """A SQLite database file (created empty if missing: SQLite takes an empty
+    file as a new database) and its companions, all 0600, before SQLite opens it."""
+    private_file(path)
+    for suffix in SQLITE_COMPANIONS:
+        tighten(Path(f"{path}{suffix}"))
+    return path
+
+
+def open_private(path: Path, mode: str = "ab", **kwargs):
+    """`open(path, mode)` for a file that must be 0600 (logs): created so, or tightened."""
+    flags = os.O_CREAT | os.O_WRONLY | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    fd = os.open(path, flags, FILE_MODE)  # the mode applies only if it is created here
+    tighten(Path(path))
+    return os.fdopen(fd, mode, **kwargs)
+
+
+def tighten_tree(root: Path) -> int:
+    """Group and other permissions dropped from everything under `root`,
+    reported in one warning line; returns how many were changed."""
+    changed = []
+    for directory, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(directory, name)
+            try:
+                mode = path.lstat().st_mode & 0o7777
+            except FileNotFoundError:
+                continue
+            if mode & 0o077 and not path.is_symlink():
+                path.chmod(mode & ~0o077)
+                changed.append((path, mode))
+    if changed:
+        path, mode = changed[0]
+        log.warning(
+            "%d file(s) under %s were readable by other users (e.g. %s, mode %04o); now owner-only",
+            len(changed), root, path, mode,
+        )  # fmt: skip
+    return len(changed)
