@@ -1,7 +1,7 @@
 """The `apiary` console command: a thin router onto Django management commands.
 
 `apiary run` is `manage.py runapiary`, `apiary check` is `checkconfig`
-(Django owns `check`), `apiary worker drain ID` is `drainworker`,
+(Django owns `check`), `apiary worker drain ID` is `drainworker`, `apiary worker token …` is `workertoken`,
 `apiary affinity release TASK` is `affinity release TASK`; every other word is
 passed to Django as is (`apiary migrate`, `apiary createsuperuser`, …).
 
@@ -22,6 +22,7 @@ USAGE = """usage: apiary COMMAND [options]   (apiary COMMAND --help for its opti
   status [--json] [--control-plane URL --token-file F]
   worker --control-plane URL --token-file F --id ID [--pool P] [--label L]… [--capability C]… [--capacity N]
   worker drain ID | worker undrain ID
+  worker token create ID | worker token revoke ID [--previous] | worker token list
   task add --source S --title T [--body B] [--workflow W]…
   cancel INSTANCE
   affinity release TASK
@@ -51,6 +52,8 @@ def route(argv: list[str]) -> list[str]:
         return [argv[0], "drainworker", *args[2:]]
     if args[:2] == ["worker", "undrain"]:
         return [argv[0], "drainworker", "--undo", *args[2:]]
+    if args[:2] == ["worker", "token"]:
+        return [argv[0], "workertoken", *args[2:]]
     args[0] = ALIASES.get(args[0], args[0])
     return [argv[0], *args]
 

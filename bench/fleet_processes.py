@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import json
 import os
 import platform
 import re
@@ -99,7 +100,7 @@ def write_config(root: Path, *, port: int, token: str, args: argparse.Namespace)
                      "workflows": ["sleep"]}],
     }
     path = root / "apiary.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(config)), sort_keys=False))  # no anchors: apiary refuses them
     return path
 
 

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import datetime as dt
 import errno
+import json
 import os
 import platform
 import resource
@@ -77,7 +78,7 @@ def start_control_plane(root: Path, database_url: str | None) -> tuple[subproces
                      "workflows": ["held"]}],
     }
     path = root / "apiary.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(config)), sort_keys=False))  # no anchors: apiary refuses them
     (root / "inbox" / "held.md").write_text("# held by the probe\n")
     env = {"DATABASE_URL": database_url} if database_url else {}
     with open(root / "controlplane.log", "wb") as out:

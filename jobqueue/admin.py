@@ -11,7 +11,7 @@ from django.contrib import admin, messages
 from . import services
 from .clock import get_clock
 from .exceptions import QueueError
-from .models import Affinity, Attempt, Job, JobEvent, JobState, RequirementSet, Worker
+from .models import Affinity, Attempt, Job, JobEvent, JobState, RequirementSet, Worker, WorkerCredential
 from .selectors import worker_health, workers_with_active_jobs
 
 
@@ -167,7 +167,7 @@ class WorkerAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     # The session identifies the worker's live process on every protocol call: not for screens.
     exclude = ("session",)
     readonly_fields = ("health", "active_jobs")
-    actions = ("drain", "undrain")
+    actions = ("drain", "undrain", "revoke_credentials")
 
     def get_queryset(self, request):
         return workers_with_active_jobs(now=get_clock().now())
@@ -199,3 +199,34 @@ class WorkerAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     @admin.action(description="Undrain selected workers", permissions=("operate",))
     def undrain(self, request, queryset):
         self._each(request, queryset, services.worker_undrain, "drain request withdrawn")
+
+    @admin.action(
+        description="Revoke selected workers' credentials (their jobs go back to the queue)", permissions=("operate",)
+    )
+    def revoke_credentials(self, request, queryset):
+        self._each(request, queryset, services.credentials_revoke, "credentials revoked")
+
+
+@admin.register(WorkerCredential)
+class WorkerCredentialAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
+    """Per-worker credentials: who holds one, since when, revoked or not. Only
+    a digest is stored; `apiary worker token create ID` issues a new one."""
+
+    list_display = ("worker_id", "hint", "issued_by", "created_at", "last_used_at", "revoked_at")
+    list_filter = ("issued_by", ("revoked_at", admin.EmptyFieldListFilter))
+    search_fields = ("worker_id",)
+    exclude = ("digest",)
+    actions = ("revoke",)
+
+    @admin.action(description="Revoke every credential of the selected workers", permissions=("operate",))
+    def revoke(self, request, queryset):
+        revoked = []
+        for worker_id in sorted(set(queryset.filter(revoked_at__isnull=True).values_list("worker_id", flat=True))):
+            try:
+                services.credentials_revoke(worker_id=worker_id)
+            except QueueError as exc:
+                self.message_user(request, f"worker {worker_id}: {exc.message}", messages.ERROR)
+                continue
+            revoked.append(worker_id)
+        if revoked:
+            self.message_user(request, f"credentials revoked: {', '.join(revoked)}", messages.SUCCESS)

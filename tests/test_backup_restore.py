@@ -53,7 +53,7 @@ def no_config(monkeypatch, tmp_path, queue_config, settings):
 def test_a_backup_under_load_holds_every_finish_acknowledged_before_it(tmp_path, clock, no_config):
     if connection.vendor != "sqlite":
         pytest.skip("apiary backup copies SQLite; PostgreSQL is pg_dump's")
-    worker = register("w1", capacity=1000)
+    worker = register("w1")  # claims one job, finishes it, claims the next
     jobs = [enqueue() for _ in range(400)]
     acked: list[int] = []
     stop = threading.Event()

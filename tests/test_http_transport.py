@@ -116,3 +116,26 @@ def test_a_claimed_job_that_is_not_protocol_v1_is_refused_and_the_others_kept(se
     assert [(c.job_id, c.attempt_number, c.payload) for c in claims] == [
         (1, 1, {"workflow": "triage", "instance_id": 5, "task": {"id": 7, "title": "x"}})
     ]
+
+
+def test_a_429_is_an_answer_to_wait_on_naming_how_long(server):
+    """The claim budget's answer: a retryable TransportError carrying Retry-After, so the claim
+    loop's backoff waits at least that long (workers/backoff.py) instead of sending again at once."""
+
+    class Limited(Scripted):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.seen.append(self.path)
+            data = json.dumps({"error": {"code": "rate_limited", "message": "slow down", "details": {}}}).encode()
+            self.send_response(429)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Retry-After", "3")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server.RequestHandlerClass = Limited
+    with pytest.raises(TransportError) as raised:
+        transport(server).claim(session="s", max_jobs=1, wait=0)
+    assert raised.value.retry_after == 3.0
+    assert len(Scripted.seen) == 1  # a claim is never resent by the transport

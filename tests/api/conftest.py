@@ -21,14 +21,14 @@ from django.test import Client
 from django.test.client import ClientHandler
 from requests.structures import CaseInsensitiveDict
 
-from jobqueue.models import Affinity, Attempt, Job, JobEvent, RequirementSet, Worker
+from jobqueue.models import Affinity, Attempt, Job, JobEvent, RequirementSet, Worker, WorkerCredential
 from workflows.models import Task, WorkflowInstance
 
 CANARY = "canary-wt-5c1f0e7b9a2d4863b1e8"
 BASE = "/api/worker/v1/"
 AUTO = object()  # the token a call needs: the named worker's credential, else the shared (canary) token
 
-QUEUE_MODELS = (Job, Attempt, JobEvent, Worker, Affinity, WorkflowInstance, Task, RequirementSet)
+QUEUE_MODELS = (Job, Attempt, JobEvent, Worker, WorkerCredential, Affinity, WorkflowInstance, Task, RequirementSet)
 
 
 @pytest.fixture(autouse=True)

@@ -165,6 +165,11 @@ def project_config(*, listen: str | None, token: str | None, marks: Path, gates:
     }
 
 
+def dump_config(config: dict) -> str:
+    """apiary.yaml text; no YAML anchors (apiary refuses them), so shared objects are written out in full."""
+    return yaml.safe_dump(json.loads(json.dumps(config)), sort_keys=False)
+
+
 def command(*args: str) -> list[str]:
     """`apiary ARGS…` through the console script's own router, with the
     interpreter running the tests (no reliance on PATH)."""
@@ -242,7 +247,7 @@ class ControlPlane:
         config = project_config(listen=f"127.0.0.1:{self.port}", token=CANARY, marks=self.marks, gates=self.gates)
         if edit_config:
             edit_config(config)
-        self.config.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.config.write_text(dump_config(config))
         self.db_path = root / ".apiary" / "apiary.db"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -453,7 +458,7 @@ class WorkerProcess:
     """One `apiary worker` process with its own folder (config copy and `.apiary/`)."""
 
     def __init__(self, cp: ControlPlane, worker_id: str, spec: Spec, *, url: str | None = None,
-                 token_from_env: bool = False):
+                 token_from_env: bool = False, token: str = CANARY):
         self.cp, self.worker_id, self.spec = cp, worker_id, spec
         self.directory = cp.root / "hosts" / worker_id
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -467,9 +472,9 @@ class WorkerProcess:
         argv += [arg for cap in spec.capabilities for arg in ("--capability", cap)]
         env = {}
         if token_from_env:
-            env["APIARY_WORKER_TOKEN"] = CANARY
+            env["APIARY_WORKER_TOKEN"] = token
         else:
-            argv += ["--token", CANARY]
+            argv += ["--token", token]
         self.log_path = self.directory / f"worker-{time.monotonic_ns()}.log"
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(
@@ -536,13 +541,13 @@ class Workers:
         self.proxies: list[Proxy] = []
 
     def start(self, *specs: tuple[str, Spec], via: dict[str, Proxy] | None = None,
-              token_from_env: tuple[str, ...] = ()) -> list[WorkerProcess]:
+              token_from_env: tuple[str, ...] = (), token: str = CANARY) -> list[WorkerProcess]:
         """Start the workers side by side, then wait until each has registered."""
         procs = []
         for worker_id, spec in specs:
             proxy = (via or {}).get(worker_id)
             procs.append(WorkerProcess(self.cp, worker_id, spec, url=proxy.url if proxy else None,
-                                       token_from_env=worker_id in token_from_env))
+                                       token_from_env=worker_id in token_from_env, token=token))
         self.started += procs
         for proc in procs:
             proc.wait_registered()

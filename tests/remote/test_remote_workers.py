@@ -18,7 +18,6 @@ import time
 
 import pytest
 import requests
-import yaml
 
 from .conftest import (
     ALPHA,
@@ -29,6 +28,7 @@ from .conftest import (
     ControlPlane,
     clean_env,
     command,
+    dump_config,
     free_port,
     pid_running,
     project_config,
@@ -461,8 +461,8 @@ def test_remote_status_over_the_protocol(cp, workers):
 def test_run_refuses_to_listen_without_a_token(tmp_path):
     port = free_port()
     config = tmp_path / "apiary.yaml"
-    config.write_text(yaml.safe_dump(project_config(listen=f"127.0.0.1:{port}", token=None, marks=tmp_path,
-                                                    gates=tmp_path)))
+    config.write_text(dump_config(project_config(listen=f"127.0.0.1:{port}", token=None, marks=tmp_path,
+                                                 gates=tmp_path)))
     result = subprocess.run(command("run", "--config", str(config)), cwd=tmp_path, env=clean_env(),
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2, result

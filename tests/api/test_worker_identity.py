@@ -1,0 +1,251 @@
+"""Worker identity over the protocol (README "Security"): the shared token
+only enrols, each worker acts with its own credential and only as its own
+id, `embedded` is reserved, revocation and rotation work, and what a worker
+may say of itself at registration is bounded. Every refusal changes nothing.
+
+The probe's findings, each a row here: re-registering a running worker's id
+with the shared token (the takeover), registering `embedded`, a capacity of
+a billion and thousands of labelled registrations, a rotation that stopped
+running workers.
+"""
+
+import logging
+
+import pytest
+
+from jobqueue import services
+from jobqueue.exceptions import ReservedWorkerId
+from jobqueue.models import Attempt, AttemptState, JobState, Worker, WorkerCredential
+from jobqueue.services.common import hash_token
+from jobqueue.types import MAX_CAPABILITIES, MAX_CAPACITY, MAX_LABELS, MAX_NAME_LENGTH
+from tests.api.conftest import CANARY, credential_for
+from tests.factories import claim, enqueue, register
+
+pytestmark = pytest.mark.django_db
+
+OLD = "old-shared-token-0123456789abcdefghijkl"  # ≥ 32 characters, as previous_worker_tokens requires
+
+
+def error(response) -> dict:
+    return response.json()["error"]
+
+
+def enrol(api, worker_id: str, **fields):
+    body = {"worker_id": worker_id, "capacity": 1, **fields}
+    return api.post("workers/register", body, token=CANARY)
+
+
+# --------------------------------------------------------------------------- enrolment
+
+
+def test_enrolment_with_the_shared_token_issues_a_credential_kept_only_as_a_digest(api, clock):
+    answer = enrol(api, "new-1")
+    assert answer.status_code == 200
+    credential = answer.json()["credential"]
+    assert credential.startswith("apw_") and len(credential) >= 40
+    [row] = WorkerCredential.objects.filter(worker_id="new-1")
+    assert row.digest == hash_token(credential) and credential not in repr(row.__dict__)
+    assert row.issued_by == "enrollment"
+    again = api.post("workers/register", {"worker_id": "new-1", "capacity": 1}, token=credential)
+    assert again.status_code == 200 and again.json()["credential"] is None  # a restart: no new credential
+
+
+def test_the_shared_token_cannot_take_over_a_running_worker(api, world, unchanged):
+    """The probe's takeover: register a running worker's id with the shared token.
+    Refused; the victim's session and attempts are untouched."""
+    with unchanged():
+        answer = enrol(api, world.worker_id)
+    assert answer.status_code == 403 and error(answer)["code"] == "credential_required"
+    assert Worker.objects.get(pk=world.worker_id).session == world.session
+    assert set(Attempt.objects.values_list("state", flat=True)) == {AttemptState.ACTIVE}
+
+
+def test_a_live_worker_without_a_credential_is_not_taken_over_either(api, clock, unchanged):
+    worker = register("legacy")  # registered before credentials existed: no credential row
+    with unchanged():
+        answer = enrol(api, "legacy")
+    assert answer.status_code == 403 and error(answer)["code"] == "credential_required"
+    assert "live process" in error(answer)["message"]
+    clock.advance(31)  # silent past worker_timeout: the id is free for an enrolment
+    assert enrol(api, "legacy").status_code == 200
+    assert Worker.objects.get(pk="legacy").session != worker.session
+
+
+def test_an_enrolled_worker_needs_its_credential_even_when_silent(api, clock, unchanged):
+    assert enrol(api, "quiet").status_code == 200
+    clock.advance(3600)
+    with unchanged():
+        answer = enrol(api, "quiet")
+    assert answer.status_code == 403 and error(answer)["code"] == "credential_required"
+
+
+@pytest.mark.parametrize("token", ["shared", "credential"])
+def test_embedded_is_reserved(api, clock, unchanged, token):
+    """Registering `embedded` remotely made `apiary run` exit; it is refused, whoever asks."""
+    services.worker_register(worker_id="embedded", embedded=True, capacity=1)
+    secret = CANARY if token == "shared" else credential_for("w-other")
+    with unchanged():
+        answer = api.post("workers/register", {"worker_id": "embedded", "capacity": 1}, token=secret)
+    assert answer.status_code == 403
+    assert error(answer)["code"] == ("reserved_worker_id" if token == "shared" else "worker_mismatch")
+    with pytest.raises(ReservedWorkerId):
+        services.credential_issue(worker_id="embedded")
+
+
+def test_enrolment_can_be_closed_and_operators_issue_credentials(api, clock, queue_config, unchanged):
+    queue_config(enrollment=False)
+    with unchanged():
+        answer = enrol(api, "late")
+    assert answer.status_code == 403 and error(answer)["code"] == "enrollment_closed"
+    assert "apiary worker token create late" in error(answer)["message"]
+    _, secret = services.credential_issue(worker_id="late")
+    answer = api.post("workers/register", {"worker_id": "late", "capacity": 1}, token=secret)
+    assert answer.status_code == 200
+
+
+# --------------------------------------------------------------------------- acting as another worker
+
+
+def test_a_credential_acts_only_as_its_own_worker(api, world, clock, unchanged):
+    """Another worker's credential can register, heartbeat, claim, beat or finish nothing of w1's."""
+    other = credential_for("w2")
+    a = world.attempts[0]
+    calls = [
+        ("workers/register", {"worker_id": world.worker_id, "capacity": 1}),
+        (f"workers/{world.worker_id}/heartbeat", {"session": world.session}),
+        ("claims", {"worker_id": world.worker_id, "session": world.session}),
+        (f"attempts/{a.attempt_id}/heartbeat", {"token": a.token}),
+        (f"attempts/{a.attempt_id}/finish", {"token": a.token, "outcome": "succeeded", "summary": {"forged": 1}}),
+    ]
+    for path, body in calls:
+        with unchanged():
+            answer = api.post(path, body, token=other)
+        assert answer.status_code == 403 and error(answer)["code"] == "worker_mismatch", path
+
+
+def test_the_shared_token_cannot_act_as_a_worker(api, world, unchanged):
+    a = world.attempts[0]
+    calls = [
+        (f"workers/{world.worker_id}/heartbeat", {"session": world.session}),
+        ("claims", {"worker_id": world.worker_id, "session": world.session}),
+        (f"attempts/{a.attempt_id}/heartbeat", {"token": a.token}),
+        (f"attempts/{a.attempt_id}/finish", {"token": a.token, "outcome": "succeeded"}),
+    ]
+    for path, body in calls:
+        with unchanged():
+            answer = api.post(path, body, token=CANARY)
+        assert answer.status_code == 403 and error(answer)["code"] == "credential_required", path
+    assert api.get("status", token=CANARY).status_code == 200  # it still reads status
+
+
+# --------------------------------------------------------------------------- revocation and rotation
+
+
+def test_a_revoked_worker_is_refused_its_jobs_go_back_and_it_cannot_enrol_again(api, world, clock):
+    services.credentials_revoke(worker_id=world.worker_id)
+    old = credential_for(world.worker_id)
+    answer = api.post(f"workers/{world.worker_id}/heartbeat", {"session": world.session}, token=old)
+    assert answer.status_code == 401
+    assert {a.job.state for a in Attempt.objects.select_related("job")} == {JobState.QUEUED}
+    answer = enrol(api, world.worker_id)
+    assert answer.status_code == 403 and error(answer)["code"] == "credential_revoked"
+    _, fresh = services.credential_issue(worker_id=world.worker_id)  # the operator admits it again
+    assert api.post("workers/register", {"worker_id": world.worker_id, "capacity": 1}, token=fresh).status_code == 200
+
+
+def test_a_worker_credential_rotates_with_an_overlap(api, world, clock):
+    old = credential_for(world.worker_id)
+    _, new = services.credential_issue(worker_id=world.worker_id)
+    beat = (f"workers/{world.worker_id}/heartbeat", {"session": world.session})
+    assert api.post(*beat, token=old).status_code == 200  # both valid during the overlap
+    assert api.post(*beat, token=new).status_code == 200
+    services.credentials_revoke(worker_id=world.worker_id, keep_newest=True)
+    assert api.post(*beat, token=old).status_code == 401
+    assert api.post(*beat, token=new).status_code == 200
+    assert set(Attempt.objects.values_list("state", flat=True)) == {AttemptState.ACTIVE}  # no job stopped
+
+
+def test_previous_shared_tokens_enrol_during_a_rotation_and_are_logged_as_old(api, clock, settings, logs, monkeypatch):
+    from jobqueue.api import auth
+
+    monkeypatch.setattr(auth, "_old_logged", {})  # its once-a-minute memory, fresh for this test
+    settings.APIARY_PREVIOUS_WORKER_TOKENS = (OLD,)
+    assert enrol(api, "on-current").status_code == 200  # the current token still works
+    answer = api.post("workers/register", {"worker_id": "on-old", "capacity": 1}, token=OLD)
+    assert answer.status_code == 200
+    old_lines = [r for r in logs if r.levelno == logging.WARNING and "previous_worker_tokens[0]" in r.getMessage()]
+    assert old_lines and OLD not in old_lines[0].getMessage()
+    settings.APIARY_PREVIOUS_WORKER_TOKENS = ()  # the rotation is finished
+    assert api.post("workers/register", {"worker_id": "on-old-2", "capacity": 1}, token=OLD).status_code == 401
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("capacity", 1_000_000_000),
+        ("capacity", MAX_CAPACITY + 1),
+        ("labels", [f"l{i}" for i in range(MAX_LABELS + 1)]),
+        ("capabilities", [f"c{i}" for i in range(MAX_CAPABILITIES + 1)]),
+        ("labels", ["x" * (MAX_NAME_LENGTH + 1)]),
+        ("pool", "p" * (MAX_NAME_LENGTH + 1)),
+    ],
+    ids=["capacity-billion", "capacity-over", "labels-many", "capabilities-many", "label-long", "pool-long"],
+)
+def test_registration_is_bounded_naming_the_field(api, clock, unchanged, field, value):
+    with unchanged():
+        answer = enrol(api, "big", **{field: value})
+    assert answer.status_code == 400 and field in error(answer)["details"], answer.json()
+
+
+def test_the_largest_allowed_registration_is_accepted(api, clock):
+    answer = enrol(
+        api,
+        "roomy",
+        capacity=MAX_CAPACITY,
+        labels=[f"l{i}" for i in range(MAX_LABELS)],
+        capabilities=[f"c{i}" for i in range(MAX_CAPABILITIES)],
+    )
+    assert answer.status_code == 200
+
+
+def test_silent_workers_that_never_ran_a_job_are_forgotten(clock):
+    enqueue()
+    busy = register("has-history")
+    claim(busy)
+    register("idle-1")
+    services.credential_issue(worker_id="idle-1")
+    register("banned")
+    services.credential_issue(worker_id="banned")
+    services.credentials_revoke(worker_id="banned")
+    clock.advance(100)
+    register("recent")
+    assert services.workers_forget(older_than=50) == 2  # idle-1 and banned
+    assert set(Worker.objects.values_list("worker_id", flat=True)) == {"has-history", "recent"}
+    assert not WorkerCredential.objects.filter(worker_id="idle-1").exists()
+    assert WorkerCredential.objects.filter(worker_id="banned", revoked_at__isnull=False).exists()  # still refused
+
+
+# --------------------------------------------------------------------------- the claim budget
+
+
+def test_claims_over_the_budget_are_answered_429_and_others_are_not_slowed(api, clock, queue_config, monkeypatch):
+    from jobqueue.api import throttle
+
+    queue_config(claim_rate=2.0, claim_burst=3)
+    now = [1000.0]
+    monkeypatch.setattr(throttle.claims, "timer", lambda: now[0])
+    throttle.claims.clear()
+    greedy, other = register("greedy"), register("other")
+    body = {"worker_id": "greedy", "session": greedy.session, "wait": 0}
+    statuses = [api.post("claims", body).status_code for _ in range(5)]
+    assert statuses == [200, 200, 200, 429, 429]
+    limited = api.post("claims", body)
+    assert error(limited)["code"] == "rate_limited" and int(limited.headers["Retry-After"]) >= 1
+    assert api.post("claims", {"worker_id": "other", "session": other.session, "wait": 0}).status_code == 200
+    now[0] += 0.5  # one claim's worth of budget back at 2 per second
+    assert api.post("claims", body).status_code == 200
+    assert api.post("claims", body).status_code == 429
+    throttle.claims.clear()
