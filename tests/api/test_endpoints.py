@@ -454,3 +454,16 @@ def test_unexpected_errors_are_a_json_500(api, world, monkeypatch):
     )
     assert response.status_code == 500 and response["Apiary-Protocol"] == "1"
     assert response.json()["error"]["code"] == "internal_error" and b"boom" not in response.content
+
+
+def test_the_protocol_document_names_every_error_code_the_api_answers():
+    """PROTOCOL.md (the project's copy) and the code stay in step: each code is in its error table."""
+    from pathlib import Path
+
+    from jobqueue.api.errors import CODES
+
+    document = (Path(__file__).resolve().parents[2] / "PROTOCOL.md").read_text()
+    table = {line.split("|")[2].strip().strip("`") for line in document.splitlines() if line.startswith("| 4")}
+    table |= {line.split("|")[2].strip().strip("`") for line in document.splitlines() if line.startswith("| 5")}
+    documented_elsewhere = {"unsupported_protocol"}  # in the 404 row's text
+    assert set(CODES) - documented_elsewhere <= table, set(CODES) - documented_elsewhere - table
