@@ -204,6 +204,27 @@ def test_minimal_file_gets_every_default(tmp_path):
     assert (config.agents, config.workflows, config.sources) == ({}, {}, {})
 
 
+def test_worker_identity_settings_are_read_and_reach_the_queue(tmp_path):
+    old = "o" * 40
+    changes = {
+        "settings.queue.worker_token": TOKEN,
+        "settings.queue.previous_worker_tokens": [old],
+        "settings.queue.enrollment": False,
+        "settings.queue.claim_rate": 5,
+        "settings.queue.forget_workers_after": "2h",
+    }
+    config = cfg.load(write_changed(tmp_path, changes), environ={})
+    q = config.settings.queue
+    assert (q.previous_worker_tokens, q.enrollment, q.claim_rate, q.forget_workers_after) == ((old,), False, 5.0, 7200.0)
+    queue = config.queue_config()
+    assert (queue.enrollment, queue.claim_rate, queue.claim_burst, queue.forget_workers_after) == (False, 5.0, 10, 7200.0)
+
+
+def test_worker_identity_defaults(tmp_path):
+    queue = cfg.load(write_changed(tmp_path, {}), environ={}).queue_config()
+    assert (queue.enrollment, queue.claim_rate, queue.claim_burst, queue.forget_workers_after) == (True, 20.0, 40, 86400.0)
+
+
 def test_listener_settings_are_read(tmp_path):
     changes = {"settings.queue.listener": {"processes": 4, "request_timeout": "5s", "idle_timeout": "2m"}}
     config = cfg.load(write_changed(tmp_path, changes), environ={})
@@ -467,6 +488,24 @@ def test_base_of_the_invalid_table_is_valid(tmp_path):
 
 
 INVALID = [
+    # Worker identity (README "Security"): errors about old tokens name their position, never the value.
+    (
+        {"settings.queue.worker_token": TOKEN, "settings.queue.previous_worker_tokens": ["short"]},
+        "settings.queue.previous_worker_tokens[0]",
+        "expected at least 32 characters, got 5",
+    ),
+    (
+        {"settings.queue.worker_token": TOKEN, "settings.queue.previous_worker_tokens": [TOKEN]},
+        "settings.queue.previous_worker_tokens[0]",
+        "is the current worker_token",
+    ),
+    ({"settings.queue.previous_worker_tokens": ["o" * 40]}, "settings.queue.previous_worker_tokens", "set worker_token"),
+    ({"settings.queue.previous_worker_tokens": "o" * 40}, "settings.queue.previous_worker_tokens", "expected a list"),
+    ({"settings.queue.enrollment": "closed"}, "settings.queue.enrollment", "expected true or false"),
+    ({"settings.queue.claim_rate": -1}, "settings.queue.claim_rate", "expected a finite number ≥ 0"),
+    ({"settings.queue.claim_rate": "fast"}, "settings.queue.claim_rate", "expected a number"),
+    ({"settings.queue.forget_workers_after": "never"}, "settings.queue.forget_workers_after", "never"),
+    ({"settings.worker_capacity": 1000}, "settings.worker_capacity", "expected an integer ≤ 256"),
     ({"settings.queue.listener": {"processes": 0}}, "settings.queue.listener.processes", "expected an integer"),
     ({"settings.queue.listener": {"request_timeout": "soon"}}, "settings.queue.listener.request_timeout", "soon"),
     ({"settings.queue.listener": {"threads": 64}}, "settings.queue.listener.threads", "unknown key"),

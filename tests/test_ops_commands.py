@@ -292,3 +292,47 @@ def test_status_table_shows_a_dash_for_what_a_jobs_payload_does_not_name(clock):
     text = render_status(status_document())
     row = next(line for line in text.splitlines() if line.strip().startswith("1 "))
     assert row.split()[1:4] == ["-", "-", "-"]
+
+
+# --------------------------------------------------------------------------- apiary worker token
+
+
+def test_worker_token_create_prints_a_credential_once_that_registers_that_worker(clock):
+    out, err = io.StringIO(), io.StringIO()
+    call_command("workertoken", "create", "build-1", stdout=out, stderr=err)
+    secret = out.getvalue().strip()
+    assert secret.startswith("apw_") and "shown once" in err.getvalue() and secret not in err.getvalue()
+    listing = run("workertoken", "list")
+    assert "build-1" in listing and "operator" in listing and secret not in listing
+    assert services.credentials.credential_worker(secret) == "build-1"
+
+
+def test_worker_token_revoke_and_revoke_previous(clock):
+    _, first = services.credential_issue(worker_id="w1")
+    clock.advance(1)
+    _, second = services.credential_issue(worker_id="w1")
+    assert "revoked 1 older credential" in run("workertoken", "revoke", "w1", "--previous")
+    assert services.credentials.credential_worker(first) is None
+    assert services.credentials.credential_worker(second) == "w1"
+    assert "cannot enrol again" in run("workertoken", "revoke", "w1")
+    assert services.credentials.credential_worker(second) is None
+    with pytest.raises(CommandError, match="no credential to revoke"):
+        run("workertoken", "revoke", "w1")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("create", "embedded"), "reserved"),
+        (("create", "bad id!"), "expected 1–128 characters"),
+        (("create",), "usage: worker token"),
+        (("list", "w1"), "usage: worker token"),
+    ],
+)
+def test_worker_token_bad_input_is_a_clear_error(clock, args, message):
+    with pytest.raises(CommandError, match=message):
+        run("workertoken", *args)
+
+
+def test_apiary_worker_token_routes_to_workertoken():
+    assert cli.route(["apiary", "worker", "token", "list"]) == ["apiary", "workertoken", "list"]
