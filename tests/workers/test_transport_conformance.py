@@ -40,6 +40,7 @@ from jobqueue.models import Attempt, AttemptState, Job, JobState, Worker
 from tests.api.conftest import CANARY
 from tests.factories import enqueue, instance_id, make_task, task_id
 from tests.waiting import wait_for
+from tests.workers.connections import hang_up_all
 from workers.credentials import CredentialFile
 from workers.executor import Outcome
 from workers.http import HttpTransport
@@ -181,17 +182,7 @@ def make_transport(transport_kind, request, tmp_path):
         return transport
 
     yield make
-    for transport in made:
-        if isinstance(transport, HttpTransport):
-            hang_up(transport)
-    # The live server serves each keep-alive connection on a thread of its
-    # own, which closes its database connection once the client hangs up; none
-    # may still be connected when the test database is flushed or dropped.
-    wait_for(
-        lambda: not any("process_request_thread" in t.name for t in threading.enumerate()),
-        timeout=WAIT,
-        what="the live server's request threads to end",
-    )
+    hang_up_all(made)
 
 
 @pytest.fixture
@@ -225,18 +216,6 @@ def make_runtime(make_transport):
 
 def spec(worker_id: str = "w1", capacity: int = 1) -> WorkerSpec:
     return WorkerSpec(worker_id=worker_id, pool=None, labels=(), capabilities=CAPABILITIES, capacity=capacity)
-
-
-def hang_up(transport: HttpTransport) -> None:
-    """Close the transport's keep-alive connections now: urllib3 2.8's
-    PoolManager.clear() (what Session.close() calls) leaves closing the
-    pools' sockets to garbage collection."""
-    for session in transport.sessions:
-        for adapter in session.adapters.values():
-            pools = adapter.poolmanager.pools
-            for key in pools.keys():  # noqa: SIM118 -- RecentlyUsedContainer cannot be iterated itself
-                pools[key].close()
-        session.close()
 
 
 def tick(runtime: WorkerRuntime, seconds: float = BEAT) -> None:

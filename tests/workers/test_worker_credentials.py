@@ -13,6 +13,7 @@ from jobqueue import services
 from jobqueue.exceptions import CredentialRevoked
 from jobqueue.models import Worker, WorkerCredential
 from tests.api.conftest import CANARY
+from tests.workers.connections import hang_up_all
 from workers.credentials import CredentialFile
 from workers.http import HttpTransport
 from workers.transport import WorkerSpec
@@ -38,9 +39,7 @@ def connect(live_server, tmp_path):
         return transport
 
     yield make
-    for transport in made:
-        for session in transport.sessions:
-            session.close()
+    hang_up_all(made)
 
 
 def stored(tmp_path) -> str:
