@@ -60,6 +60,8 @@ LOCK_LIMIT_KEYS = "SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM unnest(%s:
 
 TRY_LOCK_PIN = "SELECT pg_try_advisory_xact_lock(%s, %s)"
 
+LOCK_WORKER_ID = "SELECT pg_advisory_xact_lock(%s, %s)"
+
 INSERT_PIN = "INSERT INTO queue_affinity (key, worker_id, pinned_at) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING"
 
 PIN_OF = "SELECT worker_id FROM queue_affinity WHERE key = %s"

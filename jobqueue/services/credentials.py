@@ -13,9 +13,12 @@ unguessable secret is unguessable) and costs one indexed query.
 """
 
 import datetime as dt
+import hashlib
 import secrets
 
-from .. import conf
+from django.db import connection
+
+from .. import conf, sql
 from ..clock import Clock
 from ..exceptions import (
     CredentialRequired,
@@ -31,6 +34,18 @@ from .common import hash_token, now_of, postgres, service
 from .workers import refuse_reserved, register
 
 PREFIX = CREDENTIAL_PREFIX
+ID_LOCK_SPACE = 0x41505749  # "APWI": the advisory-lock key space of worker ids
+
+
+def _lock_id(worker_id: str) -> None:
+    """Serialise who-may-register decisions about one worker id: two enrolments
+    of a new id at once must not both be admitted. SQLite's IMMEDIATE
+    transactions already run one at a time; PostgreSQL takes a transaction-
+    scoped advisory lock (one key per transaction, so it cannot deadlock)."""
+    if postgres():
+        key = int.from_bytes(hashlib.blake2b(worker_id.encode(), digest_size=4).digest(), "big", signed=True)
+        with connection.cursor() as cursor:
+            cursor.execute(sql.LOCK_WORKER_ID, [ID_LOCK_SPACE, key])
 
 
 def is_credential(secret: str) -> bool:
@@ -66,6 +81,7 @@ def credential_issue(*, worker_id: str, clock: Clock | None = None) -> tuple[Wor
     revoke the old ones. Issuing one also admits an id whose credentials
     were revoked."""
     refuse_reserved(worker_id)
+    _lock_id(worker_id)
     return _new(worker_id, "operator", now_of(clock))
 
 
@@ -79,6 +95,7 @@ def credentials_revoke(
     re-enrolment by the shared token until an operator issues a new credential.
     Returns the credentials revoked; NotFound when the id has none to revoke."""
     now = now_of(clock)
+    _lock_id(worker_id)
     live = list(WorkerCredential.objects.filter(worker_id=worker_id, revoked_at__isnull=True).order_by("created_at"))
     if keep_newest:
         live = live[:-1]
@@ -113,6 +130,7 @@ def worker_enroll(*, clock: Clock | None = None, **registration) -> tuple[Worker
             worker_id=worker_id,
         )
     now = now_of(clock)
+    _lock_id(worker_id)
     credentials = WorkerCredential.objects.filter(worker_id=worker_id)
     if credentials.filter(revoked_at__isnull=True).exists():
         raise CredentialRequired(

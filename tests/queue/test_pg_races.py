@@ -212,3 +212,24 @@ def test_dispatch_race(clock, monkeypatch, tmp_path):
     assert "error" not in out1 and "error" not in out2, (out1, out2)
     assert [len(out1["value"]), len(out2["value"])] == [1, 0]  # jobs created: by the first only
     assert Job.objects.count() == 1
+
+
+def test_two_enrolments_of_one_new_worker_id_at_once_admit_one(clock, monkeypatch):
+    """Both read "no credential, no live session" before either wrote: both were
+    admitted, each with a credential for the same id. The id's advisory lock
+    makes the second wait, then see the first's credential."""
+    from jobqueue.exceptions import CredentialRequired
+    from jobqueue.models import WorkerCredential
+    from jobqueue.services import credentials
+
+    paused, release = pause_in(monkeypatch, credentials, "_new", "first")
+    first, out1 = run_thread(lambda: services.worker_enroll(worker_id="twin", capacity=1), "first")
+    wait_for(paused.is_set, timeout=WAIT, what="the first enrolment to pause before its credential")
+    second, out2 = run_thread(lambda: services.worker_enroll(worker_id="twin", capacity=1), "second")
+    wait_for(lambda: lock_waiters() >= 1, timeout=WAIT, what="the second enrolment to wait for the id's lock")
+    release.set()
+    first.join(20)
+    second.join(20)
+    assert "error" not in out1, out1
+    assert isinstance(out2.get("error"), CredentialRequired), out2
+    assert WorkerCredential.objects.filter(worker_id="twin").count() == 1
