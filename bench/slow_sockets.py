@@ -62,7 +62,9 @@ PROTOCOL = "/api/worker/v1/"
 # --------------------------------------------------------------------------- a control plane of our own
 
 
-def start_control_plane(root: Path, database_url: str | None) -> tuple[subprocess.Popen, str, str]:
+def start_control_plane(root: Path, database_url: str | None, *, extra_env: dict[str, str] | None = None,
+                        ) -> tuple[subprocess.Popen, str, str]:
+    """`apiary run` on a project in `root`; `extra_env` for the child (e.g. PYTHONPATH: another checkout)."""
     port, token = free_port(), secrets.token_urlsafe(24)
     (root / "inbox").mkdir()
     config = {
@@ -80,7 +82,7 @@ def start_control_plane(root: Path, database_url: str | None) -> tuple[subproces
     path = root / "apiary.yaml"
     path.write_text(yaml.safe_dump(json.loads(json.dumps(config)), sort_keys=False))  # no anchors: apiary refuses them
     (root / "inbox" / "held.md").write_text("# held by the probe\n")
-    env = {"DATABASE_URL": database_url} if database_url else {}
+    env = ({"DATABASE_URL": database_url} if database_url else {}) | (extra_env or {})
     with open(root / "controlplane.log", "wb") as out:
         proc = subprocess.Popen(apiary("run", "--config", str(path)), cwd=root, env=clean_env(**env),
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
