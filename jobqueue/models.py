@@ -278,6 +278,9 @@ class WorkerCredential(models.Model):
     digest = models.CharField(max_length=64, unique=True)
     hint = models.CharField(max_length=16, help_text="the secret's first characters, to tell credentials apart")
     issued_by = models.CharField(max_length=16, help_text="enrollment (the shared token) or operator")
+    # SHA-256 of the key the worker sent with its enrolment: the same key again, before the
+    # credential was ever used, is the same worker asking again after a lost answer.
+    enrollment_digest = models.CharField(max_length=64, blank=True, default="")
     created_at = models.DateTimeField()
     last_used_at = models.DateTimeField(null=True, blank=True, help_text="its worker's last registration with a credential")
     revoked_at = models.DateTimeField(null=True, blank=True)

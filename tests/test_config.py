@@ -500,6 +500,12 @@ INVALID = [
         "is the current worker_token",
     ),
     ({"settings.queue.previous_worker_tokens": ["o" * 40]}, "settings.queue.previous_worker_tokens", "set worker_token"),
+    ({"settings.queue.worker_token": "apw_" + "x" * 40}, "settings.queue.worker_token", "per-worker credentials"),
+    (
+        {"settings.queue.worker_token": TOKEN, "settings.queue.previous_worker_tokens": ["apw_" + "x" * 40]},
+        "settings.queue.previous_worker_tokens[0]",
+        "per-worker credentials",
+    ),
     ({"settings.queue.previous_worker_tokens": "o" * 40}, "settings.queue.previous_worker_tokens", "expected a list"),
     ({"settings.queue.enrollment": "closed"}, "settings.queue.enrollment", "expected true or false"),
     ({"settings.queue.claim_rate": -1}, "settings.queue.claim_rate", "expected a finite number ≥ 0"),

@@ -10,7 +10,7 @@ from apiary_site import cli
 from apiary_site.management.commands.status import render_status
 from jobqueue import conf, services
 from jobqueue.models import Affinity, Job, JobState, Worker
-from jobqueue.selectors import status_document
+from jobqueue.selectors import credential_of, status_document
 from tests.factories import claim, enqueue, instance_id, make_task, register, task_id
 from workflows import config as cfg
 from workflows.services import affinity_key
@@ -304,7 +304,7 @@ def test_worker_token_create_prints_a_credential_once_that_registers_that_worker
     assert secret.startswith("apw_") and "shown once" in err.getvalue() and secret not in err.getvalue()
     listing = run("workertoken", "list")
     assert "build-1" in listing and "operator" in listing and secret not in listing
-    assert services.credentials.credential_worker(secret) == "build-1"
+    assert credential_of(secret)[1] == "build-1"
 
 
 def test_worker_token_revoke_and_revoke_previous(clock):
@@ -312,10 +312,10 @@ def test_worker_token_revoke_and_revoke_previous(clock):
     clock.advance(1)
     _, second = services.credential_issue(worker_id="w1")
     assert "revoked 1 older credential" in run("workertoken", "revoke", "w1", "--previous")
-    assert services.credentials.credential_worker(first) is None
-    assert services.credentials.credential_worker(second) == "w1"
+    assert credential_of(first) is None
+    assert credential_of(second)[1] == "w1"
     assert "cannot enrol again" in run("workertoken", "revoke", "w1")
-    assert services.credentials.credential_worker(second) is None
+    assert credential_of(second) is None
     with pytest.raises(CommandError, match="no credential to revoke"):
         run("workertoken", "revoke", "w1")
 

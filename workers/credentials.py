@@ -1,39 +1,84 @@
-"""Where a remote worker keeps the credential its enrolment gave it:
-`.apiary/workers/<worker-id>.credential`, mode 0600, written atomically
-(a crash leaves the old file or the new one, never half of one)."""
+"""What a remote worker keeps of its identity, in `.apiary/workers/`:
+
+* `<worker-id>.credential`: the control plane's URL and the credential its
+  enrolment gave, 0600, written atomically (a crash leaves the old file or
+  the new one, never half of one). It is sent only to the control plane it
+  came from: pointed at another URL, the worker refuses to start rather
+  than hand one control plane's credential to another.
+* `<worker-id>.enrolment`: while the worker has no credential, the random
+  key it sends with its enrolment, kept before the first try so that a
+  retry after a lost answer sends the same one (the control plane then
+  answers again instead of refusing an id it has just enrolled).
+"""
 
 import logging
 import os
+import re
+import secrets
 from pathlib import Path
 
+from . import private
+
 log = logging.getLogger("apiary.worker")
+
+CREDENTIAL_RE = re.compile(r"apw_[A-Za-z0-9_-]{20,128}")
+
+
+class CredentialElsewhere(Exception):
+    """The stored credential belongs to another control plane."""
+
+
+def _write_private(path: Path, text: str) -> None:
+    private.private_dir(path.parent)
+    draft = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, private.FILE_MODE)
+        try:
+            os.write(fd, text.encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(draft, private.FILE_MODE)  # whatever the umask
+        os.replace(draft, path)
+    finally:
+        draft.unlink(missing_ok=True)
 
 
 class CredentialFile:
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.key_path = self.path.with_suffix(".enrolment")
 
-    def load(self) -> str | None:
+    def load(self, url: str) -> str | None:
+        """The stored credential for `url`; None when there is none.
+        CredentialElsewhere when it was issued by another control plane."""
         try:
-            secret = self.path.read_text(encoding="ascii").strip()
+            lines = self.path.read_text(encoding="ascii").split()
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError) as exc:
-            log.warning("cannot read the worker credential in %s (%s); enrolling again", self.path, exc)
-            return None
-        return secret or None
+            raise CredentialElsewhere(f"cannot read the worker credential in {self.path}: {exc}") from exc
+        if len(lines) != 2 or not CREDENTIAL_RE.fullmatch(lines[1]):
+            raise CredentialElsewhere(f"{self.path} is not a worker credential file (delete it to enrol again)")
+        if lines[0] != url:
+            raise CredentialElsewhere(
+                f"{self.path} holds the credential of the control plane at {lines[0]}, not {url}; "
+                "delete it to enrol this worker with the new one"
+            )
+        return lines[1]
 
-    def save(self, secret: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        draft = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    def save(self, url: str, secret: str) -> None:
+        _write_private(self.path, f"{url}\n{secret}\n")
+        self.key_path.unlink(missing_ok=True)  # enrolled: the key has done its job
+
+    def enrolment_key(self) -> str:
+        """The key of this worker's enrolment: the one kept from an earlier try, else a new one, kept now."""
         try:
-            os.write(fd, secret.encode("ascii") + b"\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.chmod(draft, 0o600)  # whatever the umask
-        os.replace(draft, self.path)
-
-    def discard(self) -> None:
-        self.path.unlink(missing_ok=True)
+            key = self.key_path.read_text(encoding="ascii").strip()
+            if re.fullmatch(r"[A-Za-z0-9_-]{32,128}", key):
+                return key
+        except (OSError, UnicodeDecodeError):
+            pass
+        key = secrets.token_urlsafe(32)
+        _write_private(self.key_path, key + "\n")
+        return key

@@ -53,7 +53,7 @@ from jobqueue.types import CREDENTIAL_PREFIX, Claim, Heartbeat
 
 from . import claimcheck
 from .backoff import Backoff, retry_after_of
-from .credentials import CredentialFile
+from .credentials import CREDENTIAL_RE, CredentialFile
 from .transport import Registration, TransportError, Unauthorized, WorkerSpec
 
 log = logging.getLogger("apiary.worker")
@@ -124,11 +124,12 @@ class HttpTransport:
         self.beat_timeout = read_timeout  # one heartbeat interval, once registered
         self.sleep = sleep  # between attempts, when attempts > 1; tests pass a fake one
         self.rand = rand  # that backoff's jitter, uniform in [0, 1)
-        self.enrolment_token = None if token.startswith(CREDENTIAL_PREFIX) else token
-        self.credential_file = credential_file if self.enrolment_token else None
-        stored = self.credential_file.load() if self.credential_file else None
-        token = stored or token
-        self.using_stored = stored is not None
+        self.url = base_url.rstrip("/")
+        self.enrolling = not token.startswith(CREDENTIAL_PREFIX)  # the shared token, until enrolled
+        self.credential_file = credential_file if self.enrolling else None
+        stored = self.credential_file.load(self.url) if self.credential_file else None  # CredentialElsewhere
+        if stored:
+            token, self.enrolling = stored, False
         self.claims = _session(token=token, pool=1)
         self.beats = _session(token=token, pool=2)
         self.calls = _session(token=token, pool=max(1, capacity))
@@ -201,23 +202,28 @@ class HttpTransport:
             _authorize(session, token)
 
     def register(self, spec: WorkerSpec) -> Registration:
+        """Register. Enrolling (the shared token), the answer's credential is
+        checked, stored and used from then on. With a stored credential the
+        shared token is never sent: a refusal is final (revoked, or unknown
+        to this control plane), and the operator decides what happens next."""
         try:
             answer = self._register(spec)
-        except Unauthorized:
-            if not self.using_stored:
+        except Unauthorized as exc:
+            if self.credential_file is None or self.enrolling:
                 raise
-            # The stored credential is unknown (the control plane forgot this id) or revoked: enrol
-            # again with the shared token. A revoked id is refused there too, with its reason.
-            log.warning("the control plane refused this worker's stored credential; enrolling again")
-            self.credential_file.discard()
-            self.using_stored = False
-            self._use(self.enrolment_token)
-            answer = self._register(spec)
-        if answer.get("credential"):
+            raise Unauthorized(
+                f"{exc.message}: the credential in {self.credential_file.path} is revoked or unknown to "
+                f"this control plane; an operator can issue a new one (apiary worker token create "
+                f"{spec.worker_id}), or delete that file to enrol again with the shared token"
+            ) from exc
+        if self.enrolling:
+            credential = answer.get("credential")
+            if not isinstance(credential, str) or not CREDENTIAL_RE.fullmatch(credential):
+                raise InvalidRequest("the control plane's enrolment answer has no valid credential")
             if self.credential_file is not None:
-                self.credential_file.save(answer["credential"])
-                self.using_stored = True
-            self._use(answer["credential"])
+                self.credential_file.save(self.url, credential)
+            self._use(credential)
+            self.enrolling = False
         self.beat_timeout = max(1.0, float(answer["heartbeat_interval"]))
         return Registration(
             session=answer["session"],
@@ -240,6 +246,7 @@ class HttpTransport:
                 "version": self.version,
                 "hostname": socket.gethostname(),
                 "pid": os.getpid(),
+                **({"enrollment_key": self.credential_file.enrolment_key()} if self.enrolling and self.credential_file else {}),
             },
         )
 

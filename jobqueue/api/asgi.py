@@ -18,7 +18,9 @@ store a body of any size. So requests under /api/worker/ are answered here:
   hands back the arguments instead of claiming, and the long-poll runs as a
   coroutine (`claim_with_wait_async`): while it waits it holds no thread, no
   connection and runs no query. A client that hangs up ends the wait; a
-  claim round already running finishes and gives back what it leased.
+  claim round already running finishes and gives back what it leased. A
+  claim over its worker's budget (api/throttle.py) is answered 429 only
+  after its Retry-After has passed.
 
 Everything else (the admin) goes to Django unchanged.
 """
@@ -55,6 +57,7 @@ API_THREADS = 16  # protocol calls other than waiting claims in flight at once, 
 
 _api_pool = ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="apiary-api")
 _release = close_old_connections  # after each call (tests keep their one connection open instead)
+_hold = asyncio.sleep  # how a refused claim waits (tests record it instead)
 
 
 def with_worker_protocol(django: ASGIHandler):
@@ -105,9 +108,19 @@ async def _serve(django: ASGIHandler, finish, scope, receive, send) -> None:
     request.META[PRINCIPAL] = principal  # the view's authentication takes it: no second lookup
     if scope["method"] == "POST" and scope["path"] == CLAIMS:
         request.META[DEFER_CLAIM] = True
-        response = _call_view(request, close=False)  # validation only: no query on the loop
+        if authenticated and principal.worker_id is None:
+            # The shared token: whether it may still act for this id is a query (services/identity.py).
+            response = await longpoll.offload(_api_pool, _call_view, request)
+        else:
+            response = _call_view(request, close=False)  # validation only: no query on the loop
         if isinstance(response, Deferred):
             response = await _long_poll(response.arguments, receive)
+        elif response.status_code == 429:
+            # Over the claim budget: the answer waits out its Retry-After here, where waiting
+            # costs a coroutine and nothing else. A client that ignores Retry-After and
+            # resends at once (a hostile loop) is held to one claim per connection per
+            # Retry-After, so its refusals cannot take the CPU the heartbeats need.
+            await _hold(float(response["Retry-After"]))
     else:
         response = await longpoll.offload(_api_pool, _call_view, request)
     await django.send_response(finish(request, response), send)

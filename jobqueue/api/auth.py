@@ -41,8 +41,9 @@ class WorkerPrincipal:
     is_authenticated = True
     is_anonymous = False
 
-    def __init__(self, worker_id: str | None = None):
+    def __init__(self, worker_id: str | None = None, credential_id: int | None = None):
         self.worker_id = worker_id
+        self.credential_id = credential_id  # the credential row it matched
 
     def __str__(self) -> str:
         return f"worker {self.worker_id}" if self.worker_id else "enrolment token"
@@ -83,17 +84,18 @@ def principal_of(token: bytes) -> WorkerPrincipal:
     """The principal of a Bearer token's bytes; AuthenticationFailed when it is
     none. A per-worker credential costs one indexed query."""
     # Not at import time: see the note on imports above.
-    from jobqueue.services.credentials import PREFIX, credential_worker
+    from jobqueue.selectors import credential_of
+    from jobqueue.types import CREDENTIAL_PREFIX
 
     try:
         text = token.decode("ascii")
     except UnicodeDecodeError:
         text = ""
-    if text.startswith(PREFIX):
-        worker_id = credential_worker(text)
-        if worker_id is None:
+    if text.startswith(CREDENTIAL_PREFIX):
+        found = credential_of(text)
+        if found is None:
             raise AuthenticationFailed("unknown or revoked worker credential")
-        return WorkerPrincipal(worker_id)
+        return WorkerPrincipal(found[1], credential_id=found[0])
     if not _shared_token_matches(hashlib.sha256(token).digest()):
         raise AuthenticationFailed("wrong worker token")
     return WorkerPrincipal()

@@ -121,6 +121,16 @@ class RegisterSerializer(StrictSerializer):
     version = StrictCharField(max_length=64, allow_blank=True, required=False, default="")
     hostname = StrictCharField(max_length=255, allow_blank=True, required=False, default="")
     pid = StrictIntegerField(min_value=0, max_value=MAX_INT, allow_null=True, required=False, default=None)
+    enrollment_key = StrictCharField(
+        min_length=32,
+        max_length=128,
+        required=False,
+        default="",
+        trim_whitespace=False,
+        validators=[RegexValidator(r"^[A-Za-z0-9_-]+\Z", message="must be URL-safe base64 or hex")],
+        help_text="with the shared token: a random value the worker keeps until it has its credential; "
+        "the same enrolment sent again with it, after a lost answer, is answered again",
+    )
 
 
 class WorkerHeartbeatSerializer(StrictSerializer):

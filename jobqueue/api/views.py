@@ -19,9 +19,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobqueue import conf, selectors, services
-from jobqueue.exceptions import CredentialRequired
 from jobqueue.longpoll import claim_with_wait
-from jobqueue.services.workers import acting_as
+from jobqueue.services.identity import LEGACY, acting_as
 
 from . import serializers as s
 from .auth import WorkerTokenAuthentication
@@ -76,13 +75,11 @@ class ProtocolView(ProtocolMixin, APIView):
 
 
 def credential_of(request) -> str:
-    """The worker id the request's credential acts as; the shared token only enrols."""
-    worker_id = request.user.worker_id
-    if worker_id is None:
-        raise CredentialRequired(
-            "this call needs the worker's own credential; the shared worker token only registers new workers"
-        )
-    return worker_id
+    """Who the request acts as: its credential's worker id, or LEGACY for the
+    shared token (which services accept only for an id that never had a
+    credential, while enrolment is open: workers enrolled before per-worker
+    credentials existed, until they restart and enrol)."""
+    return request.user.worker_id or LEGACY
 
 
 def as_worker(request, worker_id: str) -> None:
@@ -129,11 +126,14 @@ class RegisterView(ProtocolView):
     )
     def post(self, request):
         registration = self.validated(s.RegisterSerializer, request)
+        key = registration.pop("enrollment_key")
         credential = None
         if request.user.worker_id is None:  # the shared token: enrolment of a new id
-            worker, credential = services.worker_enroll(**registration)
+            worker, credential = services.worker_enroll(enrollment_key=key, **registration)
         else:
-            worker = services.worker_reregister(acting_as=request.user.worker_id, **registration)
+            worker = services.worker_reregister(
+                acting_as=request.user.worker_id, credential_id=request.user.credential_id, **registration
+            )
         cfg = conf.current()
         answer = {
             "credential": credential,

@@ -18,6 +18,7 @@ class Migration(migrations.Migration):
                 ('digest', models.CharField(max_length=64, unique=True)),
                 ('hint', models.CharField(help_text="the secret's first characters, to tell credentials apart", max_length=16)),
                 ('issued_by', models.CharField(help_text='enrollment (the shared token) or operator', max_length=16)),
+                ('enrollment_digest', models.CharField(blank=True, default='', max_length=64)),
                 ('created_at', models.DateTimeField()),
                 ('last_used_at', models.DateTimeField(blank=True, help_text="its worker's last registration with a credential", null=True)),
                 ('revoked_at', models.DateTimeField(blank=True, null=True)),

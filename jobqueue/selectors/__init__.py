@@ -3,7 +3,7 @@ wait, worker health. Nothing here writes.
 
     status.py    status_document (the `GET status` body), job_counts, active_attempts
     blocked.py   blocked_reasons
-    workers.py   worker_health, worker_can_claim, active_jobs, workers_all
+    workers.py   worker_health, worker_can_claim, active_jobs, workers_all, credential_of
 """
 
 from django.db import connection
@@ -15,6 +15,7 @@ from .workers import (
     HEALTHY,
     STALE,
     active_jobs,
+    credential_of,
     worker_can_claim,
     worker_health,
     worker_is_draining,
@@ -38,6 +39,7 @@ __all__ = [
     "active_jobs",
     "affinity_pin",
     "blocked_reasons",
+    "credential_of",
     "job_counts",
     "payload_refs",
     "rfc3339",

@@ -10,7 +10,8 @@ from collections.abc import Iterable
 from django.db.models import Count, Q, QuerySet
 
 from .. import conf
-from ..models import Attempt, AttemptState, Worker
+from ..models import Attempt, AttemptState, Worker, WorkerCredential
+from ..services.common import hash_token
 
 HEALTHY = "healthy"
 STALE = "stale"
@@ -57,3 +58,13 @@ def workers_with_active_jobs(*, now: dt.datetime) -> QuerySet[Worker]:
     """Workers annotated with `live_attempts` (active, lease not yet passed), in one query."""
     live = Q(attempts__state=AttemptState.ACTIVE, attempts__lease_expires_at__gt=now)
     return Worker.objects.annotate(live_attempts=Count("attempts", filter=live))
+
+
+def credential_of(secret: str) -> tuple[int, str] | None:
+    """(credential id, worker id) of a live credential; None for an unknown or revoked one."""
+    return (
+        WorkerCredential.objects.filter(digest=hash_token(secret), revoked_at__isnull=True)
+        .values_list("pk", "worker_id")
+        .first()
+    )
+

@@ -17,6 +17,7 @@ from ..types import OUTCOMES, Heartbeat
 from ..wakeup import Wake
 from ..wakeup.emit import emit
 from .common import event, hash_token, now_of, postgres, service
+from .identity import acting_as as check_acting_as
 from .transitions import attempt_move, checked, job_move
 
 _jitter = random.Random()
@@ -51,11 +52,14 @@ def _fenced(cursor, attempt_id: int, token: str, n_ow, acting_as: str | None = N
     if not hmac.compare_digest(row[0], hash_token(token)):
         raise StaleAttempt(f"the token does not match attempt {attempt_id}", attempt_id=attempt_id)
     fenced = _Fenced(*row[1:])
-    if acting_as is not None and acting_as != fenced.worker_id:
-        raise WorkerMismatch(
-            f"attempt {attempt_id} belongs to worker {fenced.worker_id!r}, not to this credential's {acting_as!r}",
-            attempt_id=attempt_id,
-        )
+    if acting_as is not None:
+        try:
+            check_acting_as(fenced.worker_id, acting_as)
+        except WorkerMismatch:
+            raise WorkerMismatch(
+                f"attempt {attempt_id} belongs to worker {fenced.worker_id!r}, not to this credential's {acting_as!r}",
+                attempt_id=attempt_id,
+            ) from None
     return fenced
 
 

@@ -14,6 +14,7 @@ unguessable secret is unguessable) and costs one indexed query.
 
 import datetime as dt
 import hashlib
+import hmac
 import secrets
 
 from django.db import connection
@@ -31,7 +32,8 @@ from ..models import Attempt, AttemptState, Worker, WorkerCredential
 from ..types import CREDENTIAL_PREFIX
 from .attempts import expire
 from .common import hash_token, now_of, postgres, service
-from .workers import refuse_reserved, register
+from .identity import refuse_reserved
+from .workers import register
 
 PREFIX = CREDENTIAL_PREFIX
 ID_LOCK_SPACE = 0x41505749  # "APWI": the advisory-lock key space of worker ids
@@ -48,29 +50,29 @@ def _lock_id(worker_id: str) -> None:
             cursor.execute(sql.LOCK_WORKER_ID, [ID_LOCK_SPACE, key])
 
 
-def is_credential(secret: str) -> bool:
-    return secret.startswith(PREFIX)
-
-
-def _new(worker_id: str, issued_by: str, now: dt.datetime) -> tuple[WorkerCredential, str]:
+def _new(worker_id: str, issued_by: str, now: dt.datetime, enrollment_key: str = "") -> tuple[WorkerCredential, str]:
     secret = PREFIX + secrets.token_urlsafe(32)
     credential = WorkerCredential.objects.create(
         worker_id=worker_id,
         digest=hash_token(secret),
         hint=secret[: len(PREFIX) + 6],
         issued_by=issued_by,
+        enrollment_digest=hash_token(enrollment_key) if enrollment_key else "",
         created_at=now,
     )
     return credential, secret
 
 
-def credential_worker(secret: str) -> str | None:
-    """The worker id a credential acts as; None for an unknown or revoked one."""
-    return (
-        WorkerCredential.objects.filter(digest=hash_token(secret), revoked_at__isnull=True)
-        .values_list("worker_id", flat=True)
-        .first()
-    )
+def _lost_answer(credentials, enrollment_key: str):
+    """The credential an earlier enrolment with this same key issued and
+    nothing has used since: its answer never reached the worker (a timeout,
+    a proxy's 502), which is now asking again. None otherwise."""
+    if not enrollment_key:
+        return None
+    unused = list(credentials.filter(revoked_at__isnull=True, last_used_at__isnull=True, issued_by="enrollment"))
+    if len(unused) == 1 and hmac.compare_digest(unused[0].enrollment_digest, hash_token(enrollment_key)):
+        return unused[0]
+    return None
 
 
 @service
@@ -114,12 +116,17 @@ def credentials_revoke(
 
 
 @service
-def worker_enroll(*, clock: Clock | None = None, **registration) -> tuple[Worker, str]:
+def worker_enroll(*, enrollment_key: str = "", clock: Clock | None = None, **registration) -> tuple[Worker, str]:
     """Registration with the shared token: a new worker id is admitted and
     gets its first credential (returned with the worker; shown once). Refused
     for the reserved id, when enrolment is closed, for an id that already has
     credentials (it must register with one) or was revoked, and for an id a
-    live process holds (it has not been silent for `worker_timeout`)."""
+    live process holds (it has not been silent for `worker_timeout`).
+
+    `enrollment_key` is a random value the worker chose and kept before
+    sending: sent again with the same key, an enrolment whose credential
+    was never used is answered again (with a new credential that replaces
+    the unused one), so a lost answer does not lock the worker out."""
     worker_id = registration["worker_id"]
     refuse_reserved(worker_id)
     cfg = conf.current()
@@ -132,6 +139,11 @@ def worker_enroll(*, clock: Clock | None = None, **registration) -> tuple[Worker
     now = now_of(clock)
     _lock_id(worker_id)
     credentials = WorkerCredential.objects.filter(worker_id=worker_id)
+    retried = _lost_answer(credentials, enrollment_key)
+    if retried is not None:
+        WorkerCredential.objects.filter(pk=retried.pk, last_used_at__isnull=True).delete()
+        worker = register(now=now, embedded=False, **registration)
+        return worker, _new(worker_id, "enrollment", now, enrollment_key)[1]
     if credentials.filter(revoked_at__isnull=True).exists():
         raise CredentialRequired(
             f"worker {worker_id!r} is enrolled: register with its own credential, not the shared token", worker_id=worker_id
@@ -152,14 +164,18 @@ def worker_enroll(*, clock: Clock | None = None, **registration) -> tuple[Worker
             worker_id=worker_id,
         )
     worker = register(now=now, embedded=False, **registration)
-    _, secret = _new(worker_id, "enrollment", now)
+    _, secret = _new(worker_id, "enrollment", now, enrollment_key)
     return worker, secret
 
 
 @service
-def worker_reregister(*, acting_as: str, clock: Clock | None = None, **registration) -> Worker:
-    """Registration with the id's own credential: a new session, as after a
-    restart (attempts of the old one are expired)."""
+def worker_reregister(
+    *, acting_as: str, credential_id: int | None = None, clock: Clock | None = None, **registration
+) -> Worker:
+    """Registration with the id's own credential (`credential_id`, the row it
+    matched): a new session, as after a restart (attempts of the old one are
+    expired). The credential's `last_used_at` says, during a rotation,
+    whether the old one is still in use."""
     worker_id = registration["worker_id"]
     if acting_as != worker_id:
         raise WorkerMismatch(
@@ -168,5 +184,5 @@ def worker_reregister(*, acting_as: str, clock: Clock | None = None, **registrat
         )
     refuse_reserved(worker_id)
     now = now_of(clock)
-    WorkerCredential.objects.filter(worker_id=worker_id, revoked_at__isnull=True).update(last_used_at=now)
+    WorkerCredential.objects.filter(pk=credential_id, worker_id=worker_id).update(last_used_at=now)
     return register(now=now, embedded=False, **registration)

@@ -8,10 +8,9 @@ from collections.abc import Iterable
 from django.db import connection
 
 from ..clock import Clock
-from ..exceptions import InvalidRequest, NotFound, ReservedWorkerId, SessionSuperseded, WorkerMismatch
-from ..models import Attempt, AttemptState, Worker, WorkerCredential
+from ..exceptions import InvalidRequest, NotFound, SessionSuperseded
+from ..models import Attempt, AttemptState, Worker
 from ..types import (
-    EMBEDDED_ID,
     MAX_CAPABILITIES,
     MAX_CAPACITY,
     MAX_LABELS,
@@ -23,6 +22,7 @@ from ..wakeup import Wake
 from ..wakeup.emit import emit
 from .attempts import expire
 from .common import now_of, postgres, service
+from .identity import refuse_reserved
 
 
 def _worker_for_call(worker_id: str, session: str) -> Worker:
@@ -32,13 +32,6 @@ def _worker_for_call(worker_id: str, session: str) -> Worker:
     if not hmac.compare_digest(worker.session, session):
         raise SessionSuperseded(f"worker {worker_id!r} was registered again by a newer process", worker_id=worker_id)
     return worker
-
-
-def refuse_reserved(worker_id: str) -> None:
-    if worker_id == EMBEDDED_ID:
-        raise ReservedWorkerId(
-            f"worker id {EMBEDDED_ID!r} is reserved for the control plane's embedded worker", worker_id=worker_id
-        )
 
 
 def _names(values: Iterable[str], field: str, most: int) -> list[str]:
@@ -113,9 +106,9 @@ def worker_register(*, clock: Clock | None = None, **registration) -> Worker:
 @service
 def workers_forget(*, older_than: float, clock: Clock | None = None) -> int:
     """Delete the workers that have been silent for `older_than` seconds and
-    never held an attempt (registrations that claimed nothing), with their
-    credentials unless revoked (a revoked id stays refused). Workers with
-    attempts stay: their rows are the attempts' history. Returns how many."""
+    never held an attempt (registrations that claimed nothing). Workers with
+    attempts stay: their rows are the attempts' history. Credentials stay
+    too: one that comes back registers with its own. Returns how many."""
     cutoff = now_of(clock) - dt.timedelta(seconds=older_than)
     silent = Worker.objects.filter(last_heartbeat_at__lt=cutoff, embedded=False).exclude(
         worker_id__in=Attempt.objects.values("worker_id")
@@ -123,18 +116,9 @@ def workers_forget(*, older_than: float, clock: Clock | None = None) -> int:
     ids = list(silent.values_list("worker_id", flat=True)[:1000])
     if not ids:
         return 0
-    WorkerCredential.objects.filter(worker_id__in=ids, revoked_at__isnull=True).delete()
-    Worker.objects.filter(worker_id__in=ids, last_heartbeat_at__lt=cutoff).delete()
-    return len(ids)
-
-
-def acting_as(worker_id: str, principal: str | None) -> None:
-    """A per-worker credential (`principal`, its worker id) acts only as its own id."""
-    if principal != worker_id:
-        raise WorkerMismatch(
-            f"this credential belongs to worker {principal!r}; it cannot act as worker {worker_id!r}",
-            worker_id=worker_id,
-        )
+    # Guarded: a worker that registered since the read above is not silent any more.
+    deleted, _ = Worker.objects.filter(worker_id__in=ids, last_heartbeat_at__lt=cutoff).delete()
+    return deleted
 
 
 @service

@@ -211,21 +211,54 @@ def test_the_largest_allowed_registration_is_accepted(api, clock):
     assert answer.status_code == 200
 
 
-def test_silent_workers_that_never_ran_a_job_are_forgotten(clock):
+def test_silent_workers_that_never_ran_a_job_are_forgotten_and_keep_their_credentials(api, clock):
     enqueue()
     busy = register("has-history")
     claim(busy)
     register("idle-1")
-    services.credential_issue(worker_id="idle-1")
-    register("banned")
-    services.credential_issue(worker_id="banned")
-    services.credentials_revoke(worker_id="banned")
+    _, secret = services.credential_issue(worker_id="idle-1")
     clock.advance(100)
     register("recent")
-    assert services.workers_forget(older_than=50) == 2  # idle-1 and banned
+    assert services.workers_forget(older_than=50) == 1  # idle-1 only: the others ran a job or spoke lately
     assert set(Worker.objects.values_list("worker_id", flat=True)) == {"has-history", "recent"}
-    assert not WorkerCredential.objects.filter(worker_id="idle-1").exists()
-    assert WorkerCredential.objects.filter(worker_id="banned", revoked_at__isnull=False).exists()  # still refused
+    # Its credential stays: when it comes back it registers with it, as after any restart.
+    answer = api.post("workers/register", {"worker_id": "idle-1", "capacity": 1}, token=secret)
+    assert answer.status_code == 200
+
+
+def test_a_lost_enrolment_answer_is_answered_again_for_the_same_key(api, clock, unchanged):
+    """The answer is the only copy of the credential: when it is lost (a timeout,
+    a proxy's 502) the worker asks again with the key it kept, and gets one."""
+    key = "k" * 43
+    first = enrol(api, "lossy", enrollment_key=key)
+    assert first.status_code == 200  # ...but suppose it never arrived
+    again = enrol(api, "lossy", enrollment_key=key)
+    assert again.status_code == 200 and again.json()["credential"] != first.json()["credential"]
+    assert api.post("workers/register", {"worker_id": "lossy", "capacity": 1}, token=first.json()["credential"]).status_code == 401
+    with unchanged():
+        other_key = enrol(api, "lossy", enrollment_key="o" * 43)  # not the worker that enrolled
+    assert other_key.status_code == 403 and error(other_key)["code"] == "credential_required"
+    credential = again.json()["credential"]
+    assert api.post("workers/register", {"worker_id": "lossy", "capacity": 1}, token=credential).status_code == 200
+    with unchanged():
+        late = enrol(api, "lossy", enrollment_key=key)  # used since: the key opens nothing any more
+    assert late.status_code == 403 and error(late)["code"] == "credential_required"
+
+
+def test_a_worker_enrolled_before_credentials_keeps_its_session_with_the_shared_token(api, clock, queue_config):
+    """An id that never had a credential (a worker running since before this
+    version) keeps heartbeating, claiming and finishing with the shared token,
+    while enrolment is open, so upgrading the control plane stops no job."""
+    enqueue()
+    legacy = register("legacy")
+    beat = ("workers/legacy/heartbeat", {"session": legacy.session})
+    assert api.post(*beat, token=CANARY).status_code == 200
+    [job] = api.post("claims", {"worker_id": "legacy", "session": legacy.session}, token=CANARY).json()["jobs"]
+    finish = api.post(f"attempts/{job['attempt_id']}/finish", {"token": job["token"], "outcome": "succeeded"}, token=CANARY)
+    assert finish.status_code == 200
+    queue_config(enrollment=False)  # closed: the shared token acts for nobody
+    closed = api.post(*beat, token=CANARY)
+    assert closed.status_code == 403 and error(closed)["code"] == "credential_required"
 
 
 # --------------------------------------------------------------------------- the claim budget
@@ -248,4 +281,32 @@ def test_claims_over_the_budget_are_answered_429_and_others_are_not_slowed(api, 
     now[0] += 0.5  # one claim's worth of budget back at 2 per second
     assert api.post("claims", body).status_code == 200
     assert api.post("claims", body).status_code == 429
+    throttle.claims.clear()
+
+
+def test_under_the_listener_a_claim_over_budget_is_answered_only_after_its_retry_after(
+    clock, queue_config, monkeypatch, settings
+):
+    """A hostile loop that ignores Retry-After gets one refusal per connection per
+    Retry-After, not as many as it can send: the listener holds the 429 that long
+    (a coroutine's wait, no thread)."""
+    from jobqueue.api import asgi, throttle
+    from tests.api.conftest import AsgiApi
+
+    settings.APIARY_WORKER_TOKEN = CANARY
+    api = AsgiApi(monkeypatch)
+    held = []
+
+    async def hold(seconds):
+        held.append(seconds)
+
+    monkeypatch.setattr(asgi, "_hold", hold)
+    queue_config(claim_rate=0.5, claim_burst=1)
+    monkeypatch.setattr(throttle.claims, "timer", lambda: 5000.0)
+    throttle.claims.clear()
+    greedy = register("greedy")
+    body = {"worker_id": "greedy", "session": greedy.session, "wait": 0}
+    assert api.post("claims", body).status_code == 200
+    refused = api.post("claims", body)
+    assert refused.status_code == 429 and held == [float(refused.headers["Retry-After"])] == [2.0]
     throttle.claims.clear()

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jobqueue import conf
-from jobqueue.types import MAX_CAPACITY
+from jobqueue.types import CREDENTIAL_PREFIX, MAX_CAPACITY
 from workflows.runners import ADAPTER_OF
 
 from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
@@ -77,6 +77,9 @@ def _queue(
             )
         else:
             check.warn(f"{p}.worker_token", f"only {len(token)} characters; use a long random token ({MIN_TOKEN_LENGTH}+ characters)")
+    if token is not None and token.startswith(CREDENTIAL_PREFIX):
+        check.error(f"{p}.worker_token", f"starts with {CREDENTIAL_PREFIX!r}, the prefix of per-worker credentials; "
+                    "choose a shared token that does not")
     previous = _previous_tokens(check, section.get("previous_worker_tokens"), current=token)
     enrollment = _default(check.boolean(section.get("enrollment"), f"{p}.enrollment"), _QUEUE_DEFAULTS.enrollment)
     claim_rate = check.number(section.get("claim_rate"), f"{p}.claim_rate", minimum=0)
@@ -150,7 +153,9 @@ def _previous_tokens(check: _Checker, raw: Any, *, current: str | None) -> tuple
         text = check.string(item, item_path)
         if text is None:
             continue
-        if len(text) < MIN_TOKEN_LENGTH:
+        if text.startswith(CREDENTIAL_PREFIX):
+            check.error(item_path, f"starts with {CREDENTIAL_PREFIX!r}, the prefix of per-worker credentials")
+        elif len(text) < MIN_TOKEN_LENGTH:
             check.error(item_path, f"expected at least {MIN_TOKEN_LENGTH} characters, got {len(text)}")
         elif text == current:
             check.error(item_path, "is the current worker_token; list only the tokens it replaced")

@@ -10,7 +10,7 @@ from jobqueue.exceptions import Forbidden
 from jobqueue.types import EMBEDDED_ID, MAX_CAPACITY, WORKER_ID_HINT, WORKER_ID_RE
 from workers import private
 from workers.backoff import Backoff
-from workers.credentials import CredentialFile
+from workers.credentials import CredentialElsewhere, CredentialFile
 from workers.http import HttpTransport
 from workers.localdb import LocalDB
 from workers.pgroups import ProcessGroups
@@ -74,14 +74,17 @@ class Command(BaseCommand):
             capabilities=worker_capabilities(runners.available_adapters(), tuple(options["capability"])),
             capacity=options["capacity"],
         )
-        transport = HttpTransport(
-            base_url=options["control_plane"],
-            token=token,
-            worker_id=worker_id,
-            ca_cert=options["ca_cert"],
-            capacity=spec.capacity,  # the pool its job threads' finishes share
-            credential_file=CredentialFile(state / "workers" / f"{worker_id}.credential"),
-        )
+        try:
+            transport = HttpTransport(
+                base_url=options["control_plane"],
+                token=token,
+                worker_id=worker_id,
+                ca_cert=options["ca_cert"],
+                capacity=spec.capacity,  # the pool its job threads' finishes share
+                credential_file=CredentialFile(state / "workers" / f"{worker_id}.credential"),
+            )
+        except CredentialElsewhere as exc:
+            raise CommandError(str(exc), returncode=2) from exc
         runtime = WorkerRuntime(
             transport=transport,
             spec=spec,

@@ -1,0 +1,39 @@
+"""Who a call may act as: the checks every identity-aware service shares
+(README "Security"). Pure decisions over a few reads, inside the caller's
+transaction."""
+
+from .. import conf
+from ..exceptions import CredentialRequired, ReservedWorkerId, WorkerMismatch
+from ..models import WorkerCredential
+from ..types import EMBEDDED_ID
+
+
+def refuse_reserved(worker_id: str) -> None:
+    if worker_id == EMBEDDED_ID:
+        raise ReservedWorkerId(
+            f"worker id {EMBEDDED_ID!r} is reserved for the control plane's embedded worker", worker_id=worker_id
+        )
+
+
+# Who a call acts as when it came with the shared token instead of a credential. Not a
+# possible worker id (it has spaces), so it never matches one.
+LEGACY = "<the shared token>"
+
+
+def acting_as(worker_id: str, principal: str) -> None:
+    """A per-worker credential (`principal`, its worker id) acts only as its own
+    id. The shared token (`LEGACY`) acts only for an id that never had a
+    credential, while enrolment is open: a worker enrolled before per-worker
+    credentials existed keeps its session and jobs until it restarts and enrols."""
+    if principal == LEGACY:
+        if not conf.current().enrollment or WorkerCredential.objects.filter(worker_id=worker_id).exists():
+            raise CredentialRequired(
+                f"worker {worker_id!r} is enrolled: this call needs its own credential, not the shared token",
+                worker_id=worker_id,
+            )
+        return
+    if principal != worker_id:
+        raise WorkerMismatch(
+            f"this credential belongs to worker {principal!r}; it cannot act as worker {worker_id!r}",
+            worker_id=worker_id,
+        )
