@@ -17,10 +17,15 @@ from workers import private
 
 HEADER = b"SQLite format 3\x00"
 APIARY_TABLES = ("django_migrations", "queue_job", "queue_attempt")
+BUSY_TIMEOUT = 30.0  # seconds `replace` waits for another connection to let go of the old database's WAL
 
 
 class CopyError(Exception):
     pass
+
+
+class InUse(CopyError):
+    """Another process has the database open, so its WAL cannot be folded in first."""
 
 
 def problem_with(path: Path) -> str | None:
@@ -79,11 +84,14 @@ def replace(database: Path, backup: Path) -> Path | None:
     incoming.unlink(missing_ok=True)
     snapshot(backup, incoming)
     kept = None
-    if database.exists() and database.stat().st_size:  # not the empty file of a new state directory
-        with contextlib.closing(sqlite3.connect(database, timeout=30)) as old:
-            old.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # everything of the old one is in its main file
-        kept = _free_name(database.with_name(database.name + ".before-restore"))
-        os.link(database, kept)
+    try:
+        if database.exists() and database.stat().st_size:  # not the empty file of a new state directory
+            _fold_wal(database)  # everything of the old one is in its main file, or nothing is touched
+            kept = _free_name(database.with_name(database.name + ".before-restore"))
+            os.link(database, kept)
+    except BaseException:
+        incoming.unlink(missing_ok=True)
+        raise
     # The old database's -wal/-shm must go before the new file arrives: SQLite
     # would replay a stale WAL into it.
     for suffix in private.SQLITE_COMPANIONS:
@@ -91,6 +99,19 @@ def replace(database: Path, backup: Path) -> Path | None:
     os.replace(incoming, database)
     _fsync_dir(database.parent)
     return kept
+
+
+def _fold_wal(database: Path) -> None:
+    """Checkpoint `database`'s WAL into its main file and truncate it. InUse
+    when another connection keeps it from completing (SQLite answers busy):
+    the kept copy would then miss what is only in the WAL, which is deleted next."""
+    with contextlib.closing(sqlite3.connect(database, timeout=BUSY_TIMEOUT)) as old:
+        busy, _log, _done = old.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    if busy:
+        raise InUse(
+            f"another process has {database} open (its WAL could not be checkpointed within "
+            f"{BUSY_TIMEOUT:g}s): stop it (any apiary command, not only `apiary run`) and retry"
+        )
 
 
 def _free_name(path: Path) -> Path:

@@ -204,3 +204,53 @@ def test_restore_refuses_a_file_that_is_not_a_sound_apiary_database(project, tmp
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert any(e in refused.stderr for e in expected) and "nothing restored" in refused.stderr
     assert db.read_bytes() == original
+
+
+# --------------------------------------------------------------------------- restore (in process)
+
+
+def apiary_like(path: Path, *, wal: bool = False) -> sqlite3.Connection:
+    """A database with the tables `problem_with` looks for, and one row of queue_job."""
+    db = sqlite3.connect(path)
+    if wal:
+        db.execute("PRAGMA journal_mode=WAL")
+    for table in ("django_migrations", "queue_job", "queue_attempt"):
+        db.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, note TEXT)")
+    db.execute("INSERT INTO queue_job (note) VALUES ('in the main file')")
+    db.commit()
+    return db
+
+
+def test_restore_is_refused_when_another_connection_keeps_the_wal_from_being_checkpointed(tmp_path, monkeypatch):
+    # Another process with the database open (an `apiary status`, a sqlite3 shell): the
+    # daemon lock does not stop it. Its read transaction keeps TRUNCATE from completing, so
+    # the kept copy would lack what is only in the WAL, and the WAL is deleted next.
+    from apiary_site import sqlitefiles
+
+    monkeypatch.setattr(sqlitefiles, "BUSY_TIMEOUT", 0.1)
+    backup = tmp_path / "b.db"
+    apiary_like(backup).close()
+    database = tmp_path / "apiary.db"
+    writer = apiary_like(database, wal=True)
+    writer.execute("PRAGMA wal_autocheckpoint=0")
+    writer.execute("INSERT INTO queue_job (note) VALUES ('only in the WAL')")
+    writer.commit()
+    reader = sqlite3.connect(database, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT count(*) FROM queue_job").fetchone() == (2,)  # holds its snapshot
+        wal = Path(f"{database}-wal")
+        assert wal.stat().st_size, "nothing in the WAL: the test proves nothing"
+        with pytest.raises(sqlitefiles.CopyError, match="another process has .* open .* stop it .* and retry"):
+            sqlitefiles.replace(database, backup)
+        # The database stays in place with its WAL (the checkpoint may have copied some of it
+        # into the main file: the same data); no kept copy, no incoming copy left behind.
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["apiary.db", "apiary.db-shm", "apiary.db-wal", "b.db"]
+    finally:
+        reader.close()
+        writer.close()
+    assert rows(database, "SELECT note FROM queue_job ORDER BY id") == [("in the main file",), ("only in the WAL",)]
+    # Once the other connections are gone the same restore goes through and keeps everything.
+    kept = sqlitefiles.replace(database, backup)
+    assert rows(kept, "SELECT note FROM queue_job ORDER BY id") == [("in the main file",), ("only in the WAL",)]
+    assert rows(database, "SELECT note FROM queue_job") == [("in the main file",)]

@@ -5,6 +5,7 @@ items still come through."""
 
 import logging
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ def directory(path, pattern="*.md"):
 
 @pytest.fixture(autouse=True)
 def _fresh_skip_memory(monkeypatch):
-    monkeypatch.setattr(sources, "_skipped", set(), raising=False)
+    monkeypatch.setattr(sources, "_skipped", OrderedDict())
 
 
 @pytest.fixture
@@ -127,3 +128,31 @@ def test_a_skipped_link_is_logged_once_with_its_name_escaped(project, caplog):
     skipped = [r.getMessage() for r in caplog.records if "symbolic link" in r.getMessage()]
     assert len(skipped) == 1
     assert "\n" not in skipped[0] and "evil\\n2026" in skipped[0]
+
+
+def test_the_memory_of_skipped_links_stays_bounded_and_forgets_the_least_recently_seen(project, caplog, monkeypatch):
+    # One symlink name after another (a tool that makes links with fresh names): without a
+    # bound the memory of what was logged grows by one entry per name, for as long as the daemon runs.
+    monkeypatch.setattr(sources, "SKIPPED_CAP", 3)
+    tasks = project / "tasks"
+    (tasks / "stays.md").symlink_to("/etc/passwd")
+    with caplog.at_level(logging.WARNING, logger="apiary.sources"):
+        for n in range(10):
+            link = tasks / f"link-{n}.md"
+            link.symlink_to("/etc/passwd")
+            assert [item.key for item in poll(directory(tasks))] == ["good.md"]
+            link.unlink()
+            assert len(sources._skipped) <= 3
+    assert {path for _, path, _ in sources._skipped} == {"stays.md", "link-8.md", "link-9.md"}  # seen last
+    logged = [r.getMessage() for r in caplog.records if "symbolic link" in r.getMessage()]
+    assert sum("'stays.md'" in line for line in logged) == 1  # seen every poll: never forgotten, logged once
+    assert len(logged) == 11
+
+
+def test_ten_thousand_names_are_remembered_and_no_more():
+    source = directory("/nowhere")
+    for n in range(sources.SKIPPED_CAP + 500):
+        sources._skip_once(source, Path(f"link-{n}.md"), "a symbolic link")
+    assert len(sources._skipped) == sources.SKIPPED_CAP == 10_000
+    assert ("inbox", "link-500.md", "a symbolic link") in sources._skipped  # the oldest 500 forgotten
+    assert ("inbox", "link-499.md", "a symbolic link") not in sources._skipped

@@ -35,6 +35,7 @@ import re
 from pathlib import Path
 
 from jobqueue import jsonlimits
+from jobqueue.exceptions import InvalidRequest
 from jobqueue.types import CLAIM_FIELDS, WORKER_ID_PATTERN, Claim
 
 MAX_ID = 2**63 - 1
@@ -133,10 +134,15 @@ def claim_of(job) -> Claim:
 
 def claims_of(answer) -> tuple[list[Claim], list[ClaimRefused]]:
     """The claims of a `POST claims` answer that pass, and the refusals of the
-    others. An answer that is not `{"jobs": [...]}` raises ClaimRefused."""
-    jobs = answer.get("jobs") if isinstance(answer, dict) else None
+    others. An answer that is not `{"jobs": [...]}` raises InvalidRequest: the
+    whole answer is refused as malformed (the runtime logs it in one line and
+    claims again after its backoff), not one job."""
+    if not isinstance(answer, dict):
+        raise InvalidRequest(f"POST claims: the answer is not an object with a list of jobs (it is {type(answer).__name__})")
+    jobs = answer.get("jobs")
     if not isinstance(jobs, list):
-        raise ClaimRefused("the claim answer is not an object with a list of jobs")
+        got = f"its jobs is {type(jobs).__name__}" if "jobs" in answer else "it has no jobs"
+        raise InvalidRequest(f"POST claims: the answer is not an object with a list of jobs ({got})")
     claims: list[Claim] = []
     refused: list[ClaimRefused] = []
     for job in jobs:

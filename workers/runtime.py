@@ -203,6 +203,10 @@ class WorkerRuntime:
                     continue
                 try:
                     claimed = self.claim_once(wait=self.claim_wait)
+                except QueueError as exc:  # refused as malformed (an HTTP 500, an answer not protocol v1): it says why
+                    delay = self._claim_failed(exc)
+                    log.error("worker %s: claim failed (%s); claiming again in %.2fs", self.spec.worker_id, exc, delay)
+                    claimed = 0
                 except Exception as exc:  # an answer we did not expect: keep the worker (and its runners) alive
                     delay = self._claim_failed(exc)
                     log.exception("worker %s: claim failed; claiming again in %.2fs", self.spec.worker_id, delay)

@@ -19,6 +19,7 @@ import selectors
 import subprocess
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISDIR, S_ISREG
@@ -170,19 +171,29 @@ def _read_inside(source: SourceConfig, root_fd: int, relative: Path) -> tuple[by
             os.close(fd)
 
 
-_skipped: set[tuple[str, str, str]] = set()  # (source, relative path, why) already logged by this process
+SKIPPED_CAP = 10_000  # skipped entries remembered (not logged again); the least recently seen is forgotten first
+# (source, relative path, why) already logged by this process, least recently seen first.
+_skipped: OrderedDict[tuple[str, str, str], None] = OrderedDict()
 _skipped_lock = threading.Lock()
 
 
 def _skip_once(source: SourceConfig, relative: Path, why: str) -> None:
     """Log a skipped entry the first time only: a symlink stays a symlink, and
     one warning per poll would bury everything else. The path is quoted with
-    repr, so a newline or an escape in a file name cannot forge a log line."""
+    repr, so a newline or an escape in a file name cannot forge a log line.
+
+    At most SKIPPED_CAP entries are remembered, as an LRU: a folder where
+    symlink names keep changing cannot grow the memory without bound, and an
+    entry still there is seen every poll, so only one gone for long (or one of
+    more than SKIPPED_CAP at once) is forgotten and logged again."""
     entry = (source.id, str(relative), why)
     with _skipped_lock:
         if entry in _skipped:
+            _skipped.move_to_end(entry)
             return
-        _skipped.add(entry)
+        _skipped[entry] = None
+        while len(_skipped) > SKIPPED_CAP:
+            _skipped.popitem(last=False)
     logger.warning("source %s: skipping %r: %s", source.id, str(relative), why)
 
 

@@ -4,12 +4,16 @@ when its id and token are usable, and never builds a path from claim data
 that resolves outside its state directory."""
 
 import json
+import logging
+import re
 import threading
 
 import pytest
 
+from jobqueue.exceptions import InvalidRequest
 from tests.test_executor import GRACE, make_claim, make_executor
 from tests.test_http_transport import GOOD_JOB, Scripted, server, transport  # noqa: F401 - server is a fixture
+from tests.workers.test_claim_backoff import ScriptedTransport, run_until, runtime_of
 from workers import claimcheck
 from workers.claimcheck import PathOutside, inside
 
@@ -128,3 +132,33 @@ def test_the_executor_runs_nothing_where_a_claim_path_leads_outside_its_state_di
     outcome = executor.run(make_claim({"id": 7, "title": "t"}, instance=5), threading.Event(), grace=GRACE)
     assert outcome.outcome == "failed" and "resolves outside" in outcome.error
     assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("answer", "got"),
+    [({"jobs": "x"}, "its jobs is str"), ({"jobs": {"0": GOOD_JOB}}, "its jobs is dict"), ({}, "it has no jobs"),
+     ([GOOD_JOB], "it is list")],
+)
+def test_a_claim_answer_that_is_not_an_object_with_a_list_of_jobs_is_an_invalid_request(server, answer, got):  # noqa: F811
+    Scripted.answers = [(200, "application/json", json.dumps(answer))]
+    with Recorded() as recorded, pytest.raises(InvalidRequest, match=re.escape(got)):
+        transport(server).claim(session="s", max_jobs=2, wait=0)
+    assert [path for path, _ in recorded.requests] == ["/api/worker/v1/claims"]  # nothing finished, nothing run
+
+
+def test_the_claim_loop_logs_a_malformed_claim_answer_in_one_line_without_a_traceback(caplog):
+    # The transport's own check of the answer (HttpTransport.claim calls claims_of on what it received).
+    def claim(*, session, max_jobs, wait):
+        transport._record("claim")
+        return claimcheck.claims_of({"jobs": "x"})
+
+    transport = ScriptedTransport()
+    transport.claim = claim
+    caplog.set_level(logging.INFO, logger="apiary.worker")
+    assert run_until(runtime_of(transport), 1) == [0.5]  # backs off like any failed claim
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage() == (
+        "worker w1: claim failed (POST claims: the answer is not an object with a list of jobs (its jobs is str)); "
+        "claiming again in 0.50s"
+    )
+    assert record.exc_info is None and "Traceback" not in caplog.text
