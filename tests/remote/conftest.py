@@ -502,8 +502,9 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")
 
     def credential(self) -> str:
-        """The credential its enrolment gave it, as it keeps it in its state directory."""
-        return (self.directory / ".apiary" / "workers" / f"{self.worker_id}.credential").read_text().strip()
+        """The credential its enrolment gave it, as it keeps it in its state directory
+        (after the control plane's URL: workers/credentials.py)."""
+        return (self.directory / ".apiary" / "workers" / f"{self.worker_id}.credential").read_text().split()[1]
 
     def tail(self, lines: int = 30) -> str:
         return f"--- {self} output (tail) ---\n" + "\n".join(self.output().splitlines()[-lines:])
