@@ -16,7 +16,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection, connections
 
 from jobqueue import services
-from tests.daemon import Daemon, Database, run, wait_for
+from tests.daemon import Daemon, run, wait_for
 from tests.factories import claim, enqueue, register
 
 PROJECT = """\
@@ -156,14 +156,15 @@ def test_restore_replaces_the_database_and_drops_its_stale_wal(project, tmp_path
 
 @pytest.mark.processes
 def test_restore_is_refused_while_a_daemon_runs(project, tmp_path):
-    db = tmp_path / ".apiary" / "apiary.db"
     backup = tmp_path / "b.db"
     assert run("backup", str(backup), config=project).returncode == 0
     daemon = Daemon(project)
     try:
+        lock = tmp_path / ".apiary" / "daemon.lock"
+        # Its lock names it once taken (a worker row proves nothing: the fixture's own run left one).
         wait_for(
-            lambda: Database(db).value("SELECT count(*) FROM queue_worker"),
-            timeout=60, what="the daemon up", daemon=daemon,
+            lambda: lock.exists() and f"pid {daemon.pid}," in lock.read_text(),
+            timeout=60, what="the daemon to hold the state directory", daemon=daemon,
         )  # fmt: skip
         refused = run("restore", str(backup), config=project)
         assert refused.returncode == 1

@@ -25,11 +25,12 @@ from ..exceptions import (
     CredentialRequired,
     CredentialRevoked,
     EnrollmentClosed,
+    InvalidRequest,
     NotFound,
     WorkerMismatch,
 )
 from ..models import Attempt, AttemptState, Worker, WorkerCredential
-from ..types import CREDENTIAL_PREFIX
+from ..types import CREDENTIAL_PREFIX, WORKER_ID_PATTERN, WORKER_ID_RE
 from .attempts import expire
 from .common import hash_token, now_of, postgres, service
 from .identity import refuse_reserved
@@ -82,6 +83,8 @@ def credential_issue(*, worker_id: str, clock: Clock | None = None) -> tuple[Wor
     valid until revoked: hand the new one to the worker, restart it, then
     revoke the old ones. Issuing one also admits an id whose credentials
     were revoked."""
+    if not WORKER_ID_RE.fullmatch(worker_id or ""):
+        raise InvalidRequest(f"worker id {worker_id!r} must match {WORKER_ID_PATTERN}", field="worker_id")
     refuse_reserved(worker_id)
     _lock_id(worker_id)
     return _new(worker_id, "operator", now_of(clock))
