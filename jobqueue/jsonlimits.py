@@ -20,11 +20,11 @@ class JSONLimitError(ValueError):
     """A JSON document over a bound, or with a value JSON does not have."""
 
 
-def _reject_constant(name: str):
+def reject_constant(name: str):
     raise JSONLimitError(f"{name} is not valid JSON")
 
 
-def _finite_float(text: str) -> float:
+def finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise JSONLimitError(f"number {text[:20]}… is out of range")
@@ -38,7 +38,7 @@ def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH, max_bytes: int | Non
     if max_bytes is not None and size > max_bytes:
         raise JSONLimitError(f"{size} bytes of JSON, more than the limit of {max_bytes}")
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=reject_constant, parse_float=finite_float)
     except RecursionError:
         raise JSONLimitError(f"JSON nested deeper than {max_depth} levels") from None
     except JSONLimitError:

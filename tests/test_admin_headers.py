@@ -113,11 +113,11 @@ def test_behind_the_proxy_the_throttle_counts_the_forwarded_client(settings, rf)
     assert security.client_ip(request) == "127.0.0.1"  # no proxy configured: the header is the client's word
 
 
-@pytest.mark.processes
-def test_check_deploy_is_clean_for_the_production_configuration(tmp_path):
-    (tmp_path / "apiary.yaml").write_text(production_config())
-    proc = subprocess.run(
-        command("check", "--deploy", "--fail-level", "WARNING", "--config", str(tmp_path / "apiary.yaml")),
+def check_deploy(tmp_path, config: str, *flags: str) -> subprocess.CompletedProcess:
+    """`apiary check --deploy` (Django's, with apiary.yaml in force) on `config`, as a process."""
+    (tmp_path / "apiary.yaml").write_text(config)
+    return subprocess.run(
+        command("check", "--deploy", *flags, "--config", str(tmp_path / "apiary.yaml")),
         cwd=tmp_path,
         env=daemon_env(APIARY_WORKER_TOKEN="k" * 40),
         capture_output=True,
@@ -125,22 +125,18 @@ def test_check_deploy_is_clean_for_the_production_configuration(tmp_path):
         timeout=120,
         check=False,
     )
+
+
+@pytest.mark.processes
+def test_check_deploy_is_clean_for_the_production_configuration(tmp_path):
+    proc = check_deploy(tmp_path, production_config(), "--fail-level", "WARNING")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "System check identified no issues" in proc.stdout
 
 
 @pytest.mark.processes
 def test_check_deploy_names_what_a_config_without_tls_lacks(tmp_path):
-    (tmp_path / "apiary.yaml").write_text(production_config().split("    tls:")[0])
-    proc = subprocess.run(
-        command("check", "--deploy", "--config", str(tmp_path / "apiary.yaml")),
-        cwd=tmp_path,
-        env=daemon_env(APIARY_WORKER_TOKEN="k" * 40),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = check_deploy(tmp_path, production_config().split("    tls:")[0])
     found = {w for w in ("W002", "W004", "W008", "W012", "W016") if f"security.{w}" in proc.stdout + proc.stderr}
     assert found == {"W004", "W008", "W012", "W016"}  # W002 (X-Frame-Options) never: the middleware is always on
 

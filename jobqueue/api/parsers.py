@@ -9,14 +9,14 @@ never a value the database or the JSON renderer would choke on later.
 
 import io
 import json
-import math
 
 from django.conf import settings
 from django.http import HttpRequest
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser
 
-from jobqueue.jsonlimits import MAX_DEPTH  # shared with the workflow payload and the worker's claim check
+# Shared with the workflow payload and the worker's claim check.
+from jobqueue.jsonlimits import MAX_DEPTH, finite_float, reject_constant
 
 from .errors import PayloadTooLarge
 
@@ -74,17 +74,6 @@ def buffer_body(request: HttpRequest) -> bytes:
     return body
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:20]}… is out of range")
-    return value
-
-
 def _check_tree(document) -> None:
     """Depth and string checks, iteratively (the document may be hostile)."""
     stack = [(document, 1)]
@@ -120,7 +109,7 @@ def loads(raw: bytes):
     except UnicodeDecodeError:
         raise ParseError("the body is not UTF-8") from None
     try:
-        document = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        document = json.loads(text, parse_constant=reject_constant, parse_float=finite_float)
     except RecursionError:
         raise ParseError(f"JSON nested deeper than {MAX_DEPTH} levels") from None
     except json.JSONDecodeError as exc:  # says where, never quotes the body
