@@ -9,11 +9,21 @@ them from the wire.
 
 import dataclasses
 import datetime as dt
+import hashlib
 import re
 
 WORKER_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 WORKER_ID_RE = re.compile(WORKER_ID_PATTERN)
 WORKER_ID_HINT = "1–128 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit"
+# A worker's enrolment key: random, URL-safe; it makes a resent enrolment the same enrolment.
+ENROLLMENT_KEY_PATTERN = r"[A-Za-z0-9_-]{32,128}"
+
+
+def hash_token(token: str) -> str:
+    """How every secret is kept: attempt tokens, credentials, enrolment keys (SHA-256, hex)."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 # A per-worker credential starts so; it tells one from a shared token at a glance (and to a leak scanner).
 CREDENTIAL_PREFIX = "apw_"
 EMBEDDED_ID = "embedded"  # the control plane's own in-process worker: reserved, no remote caller may use it

@@ -17,6 +17,8 @@ import re
 import secrets
 from pathlib import Path
 
+from jobqueue.types import ENROLLMENT_KEY_PATTERN
+
 from . import private
 
 log = logging.getLogger("apiary.worker")
@@ -75,7 +77,7 @@ class CredentialFile:
         """The key of this worker's enrolment: the one kept from an earlier try, else a new one, kept now."""
         try:
             key = self.key_path.read_text(encoding="ascii").strip()
-            if re.fullmatch(r"[A-Za-z0-9_-]{32,128}", key):
+            if re.fullmatch(ENROLLMENT_KEY_PATTERN, key):
                 return key
         except (OSError, UnicodeDecodeError):
             pass

@@ -125,9 +125,14 @@ class HttpTransport:
         self.sleep = sleep  # between attempts, when attempts > 1; tests pass a fake one
         self.rand = rand  # that backoff's jitter, uniform in [0, 1)
         self.url = base_url.rstrip("/")
-        self.enrolling = not token.startswith(CREDENTIAL_PREFIX)  # the shared token, until enrolled
-        self.credential_file = credential_file if self.enrolling else None
-        stored = self.credential_file.load(self.url) if self.credential_file else None  # CredentialElsewhere
+        self.credential_file = credential_file
+        # An operator-issued credential given on the command line wins over the stored one (it is
+        # how a credential rotates) and is stored once it has registered.
+        self.given = token if token.startswith(CREDENTIAL_PREFIX) else None
+        self.enrolling = self.given is None  # the shared token, until enrolled
+        stored = None
+        if self.enrolling and credential_file is not None:
+            stored = credential_file.load(self.url)  # CredentialElsewhere: another control plane's
         if stored:
             token, self.enrolling = stored, False
         self.claims = _session(token=token, pool=1)
@@ -209,7 +214,7 @@ class HttpTransport:
         try:
             answer = self._register(spec)
         except Unauthorized as exc:
-            if self.credential_file is None or self.enrolling:
+            if self.credential_file is None or self.enrolling or self.given:
                 raise
             raise Unauthorized(
                 f"{exc.message}: the credential in {self.credential_file.path} is revoked or unknown to "
@@ -224,6 +229,9 @@ class HttpTransport:
                 self.credential_file.save(self.url, credential)
             self._use(credential)
             self.enrolling = False
+        elif self.given and self.credential_file is not None:
+            self.credential_file.save(self.url, self.given)  # later starts need no --token-file
+            self.given = None
         self.beat_timeout = max(1.0, float(answer["heartbeat_interval"]))
         return Registration(
             session=answer["session"],

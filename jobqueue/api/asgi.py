@@ -42,7 +42,7 @@ from rest_framework import exceptions as drf
 from rest_framework.renderers import JSONRenderer
 
 from jobqueue import longpoll
-from jobqueue.services import credentials
+from jobqueue.types import CREDENTIAL_PREFIX as PREFIX_OF_CREDENTIALS
 
 from . import serializers as s
 from .auth import PRINCIPAL, WorkerPrincipal, bearer_of, principal_of
@@ -51,13 +51,14 @@ from .parsers import body_limit
 from .views import DEFER_CLAIM, PROTOCOL_VERSION, Deferred
 
 PREFIX = "/api/worker"
-CREDENTIAL_PREFIX = credentials.PREFIX.encode()
+CREDENTIAL_PREFIX = PREFIX_OF_CREDENTIALS.encode()
 CLAIMS = "/api/worker/v1/claims"
 API_THREADS = 16  # protocol calls other than waiting claims in flight at once, per process
 
 _api_pool = ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="apiary-api")
 _release = close_old_connections  # after each call (tests keep their one connection open instead)
 _hold = asyncio.sleep  # how a refused claim waits (tests record it instead)
+MAX_HOLD = 5.0  # seconds: well inside a worker's read timeout, whatever claim_rate is
 
 
 def with_worker_protocol(django: ASGIHandler):
@@ -120,7 +121,7 @@ async def _serve(django: ASGIHandler, finish, scope, receive, send) -> None:
             # costs a coroutine and nothing else. A client that ignores Retry-After and
             # resends at once (a hostile loop) is held to one claim per connection per
             # Retry-After, so its refusals cannot take the CPU the heartbeats need.
-            await _hold(float(response["Retry-After"]))
+            await _hold(min(float(response["Retry-After"]), MAX_HOLD))
     else:
         response = await longpoll.offload(_api_pool, _call_view, request)
     await django.send_response(finish(request, response), send)

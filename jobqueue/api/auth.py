@@ -85,6 +85,7 @@ def principal_of(token: bytes) -> WorkerPrincipal:
     none. A per-worker credential costs one indexed query."""
     # Not at import time: see the note on imports above.
     from jobqueue.selectors import credential_of
+    from jobqueue.services import credential_used
     from jobqueue.types import CREDENTIAL_PREFIX
 
     try:
@@ -95,7 +96,10 @@ def principal_of(token: bytes) -> WorkerPrincipal:
         found = credential_of(text)
         if found is None:
             raise AuthenticationFailed("unknown or revoked worker credential")
-        return WorkerPrincipal(found[1], credential_id=found[0])
+        credential_id, worker_id, used = found
+        if not used:  # its first call: from now on the enrolment key that got it opens nothing
+            credential_used(credential_id=credential_id)
+        return WorkerPrincipal(worker_id, credential_id=credential_id)
     if not _shared_token_matches(hashlib.sha256(token).digest()):
         raise AuthenticationFailed("wrong worker token")
     return WorkerPrincipal()

@@ -15,6 +15,7 @@ from rest_framework import serializers
 
 from jobqueue.models import JobState
 from jobqueue.types import (
+    ENROLLMENT_KEY_PATTERN,
     MAX_CAPABILITIES,
     MAX_CAPACITY,
     MAX_LABELS,
@@ -127,7 +128,7 @@ class RegisterSerializer(StrictSerializer):
         required=False,
         default="",
         trim_whitespace=False,
-        validators=[RegexValidator(r"^[A-Za-z0-9_-]+\Z", message="must be URL-safe base64 or hex")],
+        validators=[RegexValidator(rf"^{ENROLLMENT_KEY_PATTERN}\Z", message="must be 32–128 URL-safe characters")],
         help_text="with the shared token: a random value the worker keeps until it has its credential; "
         "the same enrolment sent again with it, after a lost answer, is answered again",
     )

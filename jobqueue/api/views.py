@@ -74,7 +74,7 @@ class ProtocolView(ProtocolMixin, APIView):
         return serializer.validated_data
 
 
-def credential_of(request) -> str:
+def principal_id(request) -> str:
     """Who the request acts as: its credential's worker id, or LEGACY for the
     shared token (which services accept only for an id that never had a
     credential, while enrolment is open: workers enrolled before per-worker
@@ -84,7 +84,7 @@ def credential_of(request) -> str:
 
 def as_worker(request, worker_id: str) -> None:
     """The call names `worker_id`: the request's credential must be that worker's."""
-    acting_as(worker_id, credential_of(request))
+    acting_as(worker_id, principal_id(request))
 
 
 def _schema(operation_id: str, request, ok, description: str, **errors):
@@ -207,7 +207,7 @@ class AttemptHeartbeatView(ProtocolView):
     )
     def post(self, request, attempt_id: str):
         data = self.validated(s.AttemptHeartbeatSerializer, request)
-        beat = services.attempt_heartbeat(attempt_id=int(attempt_id), acting_as=credential_of(request), **data)
+        beat = services.attempt_heartbeat(attempt_id=int(attempt_id), acting_as=principal_id(request), **data)
         return Response(s.AttemptHeartbeatResponse(beat).data)
 
 
@@ -224,7 +224,7 @@ class FinishView(ProtocolView):
     )
     def post(self, request, attempt_id: str):
         data = self.validated(s.FinishSerializer, request)
-        job_state = services.attempt_finish(attempt_id=int(attempt_id), acting_as=credential_of(request), **data)
+        job_state = services.attempt_finish(attempt_id=int(attempt_id), acting_as=principal_id(request), **data)
         return Response(s.FinishResponse({"job_state": job_state}).data)
 
 

@@ -11,7 +11,7 @@ from django.db.models import Count, Q, QuerySet
 
 from .. import conf
 from ..models import Attempt, AttemptState, Worker, WorkerCredential
-from ..services.common import hash_token
+from ..types import hash_token
 
 HEALTHY = "healthy"
 STALE = "stale"
@@ -60,11 +60,12 @@ def workers_with_active_jobs(*, now: dt.datetime) -> QuerySet[Worker]:
     return Worker.objects.annotate(live_attempts=Count("attempts", filter=live))
 
 
-def credential_of(secret: str) -> tuple[int, str] | None:
-    """(credential id, worker id) of a live credential; None for an unknown or revoked one."""
-    return (
+def credential_of(secret: str) -> tuple[int, str, bool] | None:
+    """(credential id, worker id, used before) of a live credential; None for an unknown or revoked one."""
+    row = (
         WorkerCredential.objects.filter(digest=hash_token(secret), revoked_at__isnull=True)
-        .values_list("pk", "worker_id")
+        .values_list("pk", "worker_id", "last_used_at")
         .first()
     )
+    return None if row is None else (row[0], row[1], row[2] is not None)
 

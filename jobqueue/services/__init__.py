@@ -12,7 +12,7 @@ transaction. Job and attempt states move only through
     attempts.py   attempt_heartbeat, attempt_finish, attempt_abandon, leases_expire, reconcile
     workers.py    worker_register, worker_heartbeat, worker_drain, worker_undrain, workers_forget
     credentials.py  worker_enroll, worker_reregister (who may register an id), credential_issue,
-                  credentials_revoke
+                  credential_used, credentials_revoke
     affinity.py   affinity_release (and the pin a claim takes)
 """
 
@@ -20,7 +20,7 @@ from .affinity import affinity_release
 from .attempts import attempt_abandon, attempt_finish, attempt_heartbeat, leases_expire, reconcile
 from .claiming import claim_round, jobs_claim, requirement_cache
 from .common import hash_token
-from .credentials import credential_issue, credentials_revoke, worker_enroll, worker_reregister
+from .credentials import credential_issue, credential_used, credentials_revoke, worker_enroll, worker_reregister
 from .jobs import job_cancel, job_enqueue, job_enqueue_in
 from .workers import worker_drain, worker_heartbeat, worker_register, worker_undrain, workers_forget
 
@@ -31,6 +31,7 @@ __all__ = [
     "attempt_heartbeat",
     "claim_round",
     "credential_issue",
+    "credential_used",
     "credentials_revoke",
     "hash_token",
     "job_cancel",

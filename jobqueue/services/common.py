@@ -3,7 +3,6 @@ backend test, token digests and the event row."""
 
 import datetime as dt
 import functools
-import hashlib
 import logging
 
 from django.db import OperationalError, connection, transaction
@@ -11,6 +10,7 @@ from django.db import OperationalError, connection, transaction
 from .. import sql
 from ..clock import Clock, get_clock
 from ..exceptions import Unavailable
+from ..types import hash_token  # noqa: F401 - the services' one digest, re-exported for them
 
 log = logging.getLogger("apiary.queue")
 
@@ -36,10 +36,6 @@ def now_of(clock: Clock | None) -> dt.datetime:
 
 def postgres() -> bool:
     return connection.vendor == "postgresql"
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def event(cursor, *, job_id: int, kind: str, at: dt.datetime, worker_id=None, attempt_id=None, **detail) -> None:

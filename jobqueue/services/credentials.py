@@ -36,7 +36,6 @@ from .common import hash_token, now_of, postgres, service
 from .identity import refuse_reserved
 from .workers import register
 
-PREFIX = CREDENTIAL_PREFIX
 ID_LOCK_SPACE = 0x41505749  # "APWI": the advisory-lock key space of worker ids
 
 
@@ -52,11 +51,11 @@ def _lock_id(worker_id: str) -> None:
 
 
 def _new(worker_id: str, issued_by: str, now: dt.datetime, enrollment_key: str = "") -> tuple[WorkerCredential, str]:
-    secret = PREFIX + secrets.token_urlsafe(32)
+    secret = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
     credential = WorkerCredential.objects.create(
         worker_id=worker_id,
         digest=hash_token(secret),
-        hint=secret[: len(PREFIX) + 6],
+        hint=secret[: len(CREDENTIAL_PREFIX) + 6],
         issued_by=issued_by,
         enrollment_digest=hash_token(enrollment_key) if enrollment_key else "",
         created_at=now,
@@ -119,6 +118,21 @@ def credentials_revoke(
 
 
 @service
+def credential_used(*, credential_id: int, clock: Clock | None = None) -> bool:
+    """Mark a credential's first use (its first authenticated call). An enrolment
+    key then no longer gets its worker a fresh credential: the answer was not lost."""
+    return bool(
+        WorkerCredential.objects.filter(pk=credential_id, last_used_at__isnull=True).update(last_used_at=now_of(clock))
+    )
+
+
+def _keyless_unused(credentials):
+    """Credentials an enrolment without a key issued and nothing ever used: what a
+    worker from before per-worker credentials got when it registered, and ignored."""
+    return credentials.filter(issued_by="enrollment", enrollment_digest="", last_used_at__isnull=True)
+
+
+@service
 def worker_enroll(*, enrollment_key: str = "", clock: Clock | None = None, **registration) -> tuple[Worker, str]:
     """Registration with the shared token: a new worker id is admitted and
     gets its first credential (returned with the worker; shown once). Refused
@@ -144,14 +158,18 @@ def worker_enroll(*, enrollment_key: str = "", clock: Clock | None = None, **reg
     credentials = WorkerCredential.objects.filter(worker_id=worker_id)
     retried = _lost_answer(credentials, enrollment_key)
     if retried is not None:
-        WorkerCredential.objects.filter(pk=retried.pk, last_used_at__isnull=True).delete()
-        worker = register(now=now, embedded=False, **registration)
-        return worker, _new(worker_id, "enrollment", now, enrollment_key)[1]
-    if credentials.filter(revoked_at__isnull=True).exists():
+        deleted, _ = WorkerCredential.objects.filter(pk=retried.pk, last_used_at__isnull=True).delete()
+        if deleted:  # still unused (guarded: a first call may have come meanwhile)
+            worker = register(now=now, embedded=False, **registration)
+            return worker, _new(worker_id, "enrollment", now, enrollment_key)[1]
+    # Credentials an old worker was given and ignored do not make its id enrolled: it is still
+    # the shared token's to register (subject to the live-process check below), as before.
+    held = credentials.filter(revoked_at__isnull=True).exclude(pk__in=_keyless_unused(credentials).values("pk"))
+    if held.exists():
         raise CredentialRequired(
             f"worker {worker_id!r} is enrolled: register with its own credential, not the shared token", worker_id=worker_id
         )
-    if credentials.exists():
+    if credentials.filter(revoked_at__isnull=False).exists():
         raise CredentialRevoked(
             f"worker {worker_id!r}'s credentials were revoked; an operator admits it again with "
             f"`apiary worker token create {worker_id}`",
@@ -166,6 +184,7 @@ def worker_enroll(*, enrollment_key: str = "", clock: Clock | None = None, **reg
             f"{cfg.worker_timeout:g}s ago); only its own credential may register it again",
             worker_id=worker_id,
         )
+    _keyless_unused(credentials).delete()
     worker = register(now=now, embedded=False, **registration)
     _, secret = _new(worker_id, "enrollment", now, enrollment_key)
     return worker, secret
@@ -187,5 +206,6 @@ def worker_reregister(
         )
     refuse_reserved(worker_id)
     now = now_of(clock)
+    _lock_id(worker_id)
     WorkerCredential.objects.filter(pk=credential_id, worker_id=worker_id).update(last_used_at=now)
     return register(now=now, embedded=False, **registration)

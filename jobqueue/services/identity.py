@@ -26,7 +26,12 @@ def acting_as(worker_id: str, principal: str) -> None:
     credential, while enrolment is open: a worker enrolled before per-worker
     credentials existed keeps its session and jobs until it restarts and enrols."""
     if principal == LEGACY:
-        if not conf.current().enrollment or WorkerCredential.objects.filter(worker_id=worker_id).exists():
+        refuse_reserved(worker_id)
+        enrolled = WorkerCredential.objects.filter(worker_id=worker_id).exclude(
+            # what an old worker was given at a registration and ignored (services/credentials.py)
+            issued_by="enrollment", enrollment_digest="", last_used_at__isnull=True
+        )
+        if not conf.current().enrollment or enrolled.exists():
             raise CredentialRequired(
                 f"worker {worker_id!r} is enrolled: this call needs its own credential, not the shared token",
                 worker_id=worker_id,

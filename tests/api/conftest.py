@@ -22,8 +22,7 @@ from django.test.client import ClientHandler
 from requests.structures import CaseInsensitiveDict
 
 from jobqueue.models import Affinity, Attempt, Job, JobEvent, RequirementSet, Worker, WorkerCredential
-from jobqueue.services.common import hash_token
-from jobqueue.types import WORKER_ID_RE
+from jobqueue.types import WORKER_ID_RE, hash_token
 from workflows.models import Task, WorkflowInstance
 
 CANARY = "canary-wt-5c1f0e7b9a2d4863b1e8"

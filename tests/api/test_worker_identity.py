@@ -16,8 +16,7 @@ import pytest
 from jobqueue import services
 from jobqueue.exceptions import ReservedWorkerId
 from jobqueue.models import Attempt, AttemptState, JobState, Worker, WorkerCredential
-from jobqueue.services.common import hash_token
-from jobqueue.types import MAX_CAPABILITIES, MAX_CAPACITY, MAX_LABELS, MAX_NAME_LENGTH
+from jobqueue.types import MAX_CAPABILITIES, MAX_CAPACITY, MAX_LABELS, MAX_NAME_LENGTH, hash_token
 from tests.api.conftest import CANARY, credential_for
 from tests.factories import claim, enqueue, register
 
@@ -72,7 +71,8 @@ def test_a_live_worker_without_a_credential_is_not_taken_over_either(api, clock,
 
 
 def test_an_enrolled_worker_needs_its_credential_even_when_silent(api, clock, unchanged):
-    assert enrol(api, "quiet").status_code == 200
+    credential = enrol(api, "quiet").json()["credential"]
+    assert api.post("workers/register", {"worker_id": "quiet", "capacity": 1}, token=credential).status_code == 200
     clock.advance(3600)
     with unchanged():
         answer = enrol(api, "quiet")
@@ -239,10 +239,30 @@ def test_a_lost_enrolment_answer_is_answered_again_for_the_same_key(api, clock, 
         other_key = enrol(api, "lossy", enrollment_key="o" * 43)  # not the worker that enrolled
     assert other_key.status_code == 403 and error(other_key)["code"] == "credential_required"
     credential = again.json()["credential"]
-    assert api.post("workers/register", {"worker_id": "lossy", "capacity": 1}, token=credential).status_code == 200
+    session = again.json()["session"]
+    assert api.post("workers/lossy/heartbeat", {"session": session}, token=credential).status_code == 200
     with unchanged():
-        late = enrol(api, "lossy", enrollment_key=key)  # used since: the key opens nothing any more
+        late = enrol(api, "lossy", enrollment_key=key)  # used since (any call): the key opens nothing any more
     assert late.status_code == 403 and error(late)["code"] == "credential_required"
+
+
+def test_an_old_worker_that_ignores_its_credential_keeps_working_and_enrols_once_upgraded(api, clock):
+    """A worker from before this version registers again (a restart): it is given a
+    credential it does not know to use. It goes on with the shared token, and once
+    upgraded (stopped, then started with the new code) it enrols with its key."""
+    old = enrol(api, "old-timer")
+    assert old.status_code == 200  # a credential it ignores
+    beat = api.post("workers/old-timer/heartbeat", {"session": old.json()["session"]}, token=CANARY)
+    assert beat.status_code == 200
+    clock.advance(31)  # stopped for the upgrade, past worker_timeout
+    upgraded = enrol(api, "old-timer", enrollment_key="u" * 43)
+    assert upgraded.status_code == 200 and upgraded.json()["credential"]
+
+
+def test_the_shared_token_never_acts_as_embedded(api, clock):
+    embedded = services.worker_register(worker_id="embedded", embedded=True, capacity=1)
+    answer = api.post("workers/embedded/heartbeat", {"session": embedded.session}, token=CANARY)
+    assert answer.status_code == 403 and error(answer)["code"] == "reserved_worker_id"
 
 
 def test_a_worker_enrolled_before_credentials_keeps_its_session_with_the_shared_token(api, clock, queue_config):

@@ -82,10 +82,13 @@ def test_a_revoked_worker_stops_with_the_reason_and_never_sends_the_shared_token
     connect().register(SPEC)
     services.credentials_revoke(worker_id="w1")
     again = connect()
+    sent = []
+    for session in again.sessions:
+        session.hooks["response"].append(lambda r, *a, **k: sent.append(r.request.headers["Authorization"]))
     with pytest.raises(Unauthorized, match="apiary worker token create w1"):
         again.register(SPEC)
     assert (tmp_path / "workers" / "w1.credential").exists()
-    assert all(CANARY not in s.headers["Authorization"] for s in again.sessions)
+    assert sent and all(CANARY not in header for header in sent), sent
 
 
 def test_a_credential_is_sent_only_to_the_control_plane_that_issued_it(connect, tmp_path, live_server):
@@ -129,10 +132,16 @@ def test_a_malformed_credential_in_the_answer_is_refused_and_nothing_is_stored(t
     assert all(s.headers["Authorization"] == f"Bearer {CANARY}" for s in transport.sessions)
 
 
-def test_an_operator_issued_credential_is_used_as_given_and_not_stored(connect, tmp_path, queue_config):
+def test_an_operator_issued_credential_is_used_and_kept_for_the_next_start(connect, tmp_path, queue_config):
+    """How a worker's own credential rotates: the new one given on the command line wins over the
+    stored one, and once it registered it is the stored one (a plain restart then uses it)."""
+    connect().register(SPEC)
+    old = stored(tmp_path)
     queue_config(enrollment=False)
     _, secret = services.credential_issue(worker_id="w1")
     transport = connect(token=secret)
     registration = transport.register(SPEC)
     assert transport.claim(session=registration.session, max_jobs=1, wait=0) == []
-    assert not (tmp_path / "workers" / "w1.credential").exists()
+    assert stored(tmp_path) == secret != old
+    services.credentials_revoke(worker_id="w1", keep_newest=True)  # the rotation's end
+    connect(token="the-shared-token-is-not-needed-0123456789").register(SPEC)  # a plain restart
