@@ -76,9 +76,7 @@ class ProtocolView(ProtocolMixin, APIView):
 
 def principal_id(request) -> str:
     """Who the request acts as: its credential's worker id, or LEGACY for the
-    shared token (which services accept only for an id that never had a
-    credential, while enrolment is open: workers enrolled before per-worker
-    credentials existed, until they restart and enrol)."""
+    shared token (services/identity.py says for which ids that still counts)."""
     return request.user.worker_id or LEGACY
 
 

@@ -22,9 +22,11 @@ LEGACY = "<the shared token>"
 
 def acting_as(worker_id: str, principal: str) -> None:
     """A per-worker credential (`principal`, its worker id) acts only as its own
-    id. The shared token (`LEGACY`) acts only for an id that never had a
-    credential, while enrolment is open: a worker enrolled before per-worker
-    credentials existed keeps its session and jobs until it restarts and enrols."""
+    id. The shared token (`LEGACY`) acts only for an id with no credential that
+    ever made a call, never for `embedded`, and only while enrolment is open: a
+    worker whose client predates per-worker credentials keeps its session and
+    jobs (also after a restart on the old code, which ignores the credential
+    its registration gets) until it runs a client that enrols."""
     if principal == LEGACY:
         refuse_reserved(worker_id)
         enrolled = WorkerCredential.objects.filter(worker_id=worker_id).exclude(
