@@ -266,6 +266,36 @@ class Worker(models.Model):
         return self.worker_id
 
 
+class RecordState(models.TextChoices):
+    STARTED = "started"
+    """The attempt is about to do it (an external effect whose end is not known yet)."""
+    DONE = "done"
+    """Done, with its value: final; no attempt may change it."""
+
+
+class JobRecord(models.Model):
+    """A job's journal: what its attempts did, by key, each write fenced by the
+    current attempt's token (services/records.py). The queue never reads the
+    keys or values; the workflow layer keeps its effect ledger here (steps
+    done and their outputs, publishes started and done, checkpoints), so a
+    later attempt can skip what is done and a stale one can record nothing.
+    A `done` record is final."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="records")
+    key = models.CharField(max_length=255)
+    state = models.CharField(max_length=16, choices=RecordState.choices)
+    value = models.JSONField(default=dict, blank=True)
+    attempt_number = models.PositiveIntegerField(help_text="the attempt that wrote it last")
+    started_by = models.PositiveIntegerField(null=True, blank=True, help_text="the attempt that recorded `started`")
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "key"], name="jobrecord_job_key_unique")]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} {self.key} [{self.state}]"
+
+
 class WorkerCredential(models.Model):
     """A worker's own bearer credential, bound to its worker id (README
     "Security"). Only the SHA-256 of the secret is kept; the secret is shown

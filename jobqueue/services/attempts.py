@@ -77,6 +77,15 @@ def _require_live(attempt_id: int, a: _Fenced) -> None:
         raise StaleAttempt(f"attempt {attempt_id}'s lease expired at {a.lease_expires_at}", attempt_id=attempt_id)
 
 
+def fenced_live(cursor, attempt_id: int, token: str, now: dt.datetime, acting_as: str | None = None) -> _Fenced:
+    """The attempt when `token` is its token and it is its job's current, live
+    attempt (its row and its job's locked on PostgreSQL); the same errors as a
+    heartbeat otherwise. For services that write on an attempt's behalf."""
+    fenced = _fenced(cursor, attempt_id, token, sql.ts(now), acting_as)
+    _require_live(attempt_id, fenced)
+    return fenced
+
+
 @service
 def attempt_heartbeat(
     *, attempt_id: int, token: str, acting_as: str | None = None, clock: Clock | None = None
