@@ -147,6 +147,9 @@ class Job(models.Model):
         "Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="current_of"
     )
     summary = models.JSONField(default=dict, blank=True)
+    # Jobs to enqueue, per terminal state, in the transaction that settles this one (a
+    # transactional outbox: the layer above's hooks). {"succeeded": [job spec, …], …}
+    follow_ups = models.JSONField(default=dict, blank=True)
     reason = models.TextField(blank=True, default="")
     created_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -130,7 +130,7 @@ def fenced_attempt(postgres: bool) -> str:
 _FENCED_ATTEMPT = """
 SELECT a.token_hash, a.state, a.lease_expires_at, a.lease_expires_at > %s, a.job_state, a.number, a.worker_id,
        j.id, j.state, j.current_attempt_id, j.cancel_requested_at IS NOT NULL, j.retry_max_attempts,
-       j.retry_backoff, j.retry_backoff_max, a.session <> w.session, j.requirements_id
+       j.retry_backoff, j.retry_backoff_max, a.session <> w.session, j.requirements_id, j.follow_ups
   FROM queue_attempt a JOIN queue_job j ON j.id = a.job_id JOIN queue_worker w ON w.worker_id = a.worker_id
  WHERE a.id = %s
 """
@@ -138,6 +138,8 @@ SELECT a.token_hash, a.state, a.lease_expires_at, a.lease_expires_at > %s, a.job
 EXTEND_LEASE = """
 UPDATE queue_attempt SET lease_expires_at = %s, last_heartbeat_at = %s WHERE id = %s AND state = 'active'
 """
+
+FOLLOW_UPS = "SELECT follow_ups FROM queue_job WHERE id = %s"
 
 FAILED_ATTEMPTS = "SELECT COUNT(*) FROM queue_attempt WHERE job_id = %s AND state = 'failed'"
 

@@ -40,6 +40,7 @@ class _Fenced:
     retry_backoff_max: float
     superseded: bool  # the worker id has registered again since this attempt's claim
     requirements_id: int
+    follow_ups: object  # the job's follow_ups column as read (JSON text on both backends)
 
 
 def _fenced(cursor, attempt_id: int, token: str, n_ow, acting_as: str | None = None) -> _Fenced:
@@ -153,8 +154,9 @@ def attempt_finish(
             detail |= {"retry_at": available.isoformat(), "failures": failures}
         else:
             job_move(
-                cursor, job_id=a.job_id, old=a.job_state, new=new_state, summary=summary, finished_at=now, reason=reason
-            )
+                cursor, job_id=a.job_id, old=a.job_state, new=new_state, summary=summary, finished_at=now,
+                reason=reason, follow_ups=a.follow_ups or "{}",
+            )  # fmt: skip
         event(cursor, job_id=a.job_id, kind="finished", at=now, worker_id=a.worker_id, attempt_id=attempt_id, **detail)
         retry_in = (available - now).total_seconds() if new_state == JobState.QUEUED else None
         _freed(cursor, a.job_id, a.requirements_id, retry_in)
