@@ -75,3 +75,20 @@ CLAIM_FIELDS = frozenset(field.name for field in dataclasses.fields(Claim)) - {"
 class Heartbeat:
     lease_expires_at: dt.datetime
     cancel: bool
+
+
+# A record of a job's journal, as the services return it and the protocol carries it
+# (jobqueue/services/records.py says the rules).
+@dataclasses.dataclass(frozen=True)
+class Record:
+    key: str
+    state: str
+    value: dict
+    attempt_number: int
+    started_by: int | None
+    already_done: bool = False  # this write found the record done and changed nothing
+
+    @property
+    def started_earlier(self) -> bool:
+        """An attempt before the writer's started it (its end is unknown)."""
+        return self.started_by is not None and self.started_by != self.attempt_number

@@ -12,7 +12,6 @@ The rules, one compare-and-set each:
   as it is, so a later attempt reuses what an earlier one did.
 """
 
-import dataclasses
 import json
 
 from django.db import IntegrityError, connection, transaction
@@ -20,26 +19,12 @@ from django.db import IntegrityError, connection, transaction
 from ..clock import Clock
 from ..exceptions import InvalidRequest
 from ..models import JobRecord, RecordState
+from ..types import Record
 from . import attempts
 from .common import now_of, service
 
 MAX_KEY = 255
 MAX_VALUE_BYTES = 64 * 1024  # a step's output, a checkpoint: the journal is not a log store
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-    key: str
-    state: str
-    value: dict
-    attempt_number: int
-    started_by: int | None
-    already_done: bool = False  # this write found the record done and changed nothing
-
-    @property
-    def started_earlier(self) -> bool:
-        """An attempt before the writer's started it (its end is unknown)."""
-        return self.started_by is not None and self.started_by != self.attempt_number
 
 
 def _of(row: JobRecord, *, already_done: bool = False) -> Record:
