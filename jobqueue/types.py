@@ -77,8 +77,18 @@ class Heartbeat:
     cancel: bool
 
 
-# A record of a job's journal, as the services return it and the protocol carries it
-# (jobqueue/services/records.py says the rules).
+# A job's journal (jobqueue/services/records.py says the rules): what both ends check of a record.
+RECORD_STATES = ("started", "done")  # models.RecordState's values
+MAX_RECORD_KEY = 255  # characters
+MAX_RECORD_VALUE_BYTES = 64 * 1024  # of the value as compact UTF-8 JSON: the journal is not a log store
+# A step's checkpoint, sent with an attempt heartbeat: record `checkpoint:<step>`, state `started`,
+# value {"content": …}; the step is an id of the same shape as worker ids, the content at most this
+# many bytes of UTF-8.
+CHECKPOINT_PREFIX = "checkpoint:"
+MAX_CHECKPOINT_BYTES = 64 * 1024
+
+
+# A record of a job's journal, as the services return it and the protocol carries it.
 @dataclasses.dataclass(frozen=True)
 class Record:
     key: str

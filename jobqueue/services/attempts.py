@@ -94,11 +94,16 @@ def attempt_heartbeat(
     """Extend the lease to now + lease_duration; answers whether a cancel was requested."""
     now = now_of(clock)
     with connection.cursor() as cursor:
-        a = _fenced(cursor, attempt_id, token, sql.ts(now), acting_as)
-        _require_live(attempt_id, a)
-        expires = now + conf.current().lease
-        checked(cursor, sql.EXTEND_LEASE, [sql.ts(expires), sql.ts(now), attempt_id], f"lease of attempt {attempt_id}")
-    return Heartbeat(lease_expires_at=expires, cancel=bool(a.cancel_requested))
+        return extend_lease(cursor, attempt_id, token, now, acting_as)[1]
+
+
+def extend_lease(cursor, attempt_id: int, token: str, now: dt.datetime, acting_as: str | None) -> tuple[_Fenced, Heartbeat]:
+    """A heartbeat's work, in the caller's transaction (attempt_heartbeat's, or
+    records.attempt_heartbeat_with_checkpoint's): the fenced attempt and the answer."""
+    a = fenced_live(cursor, attempt_id, token, now, acting_as)
+    expires = now + conf.current().lease
+    checked(cursor, sql.EXTEND_LEASE, [sql.ts(expires), sql.ts(now), attempt_id], f"lease of attempt {attempt_id}")
+    return a, Heartbeat(lease_expires_at=expires, cancel=bool(a.cancel_requested))
 
 
 def _backoff(base: float, cap: float, failures: int) -> float:

@@ -35,7 +35,7 @@ import pytest
 from django.db import connection
 
 from jobqueue import services
-from jobqueue.exceptions import QueueError, SessionSuperseded, StaleAttempt
+from jobqueue.exceptions import InvalidRequest, QueueError, SessionSuperseded, StaleAttempt
 from jobqueue.models import Attempt, AttemptState, Job, JobState, Worker
 from tests.api.conftest import CANARY
 from tests.factories import enqueue, instance_id, make_task, task_id
@@ -137,6 +137,12 @@ class Wire:
             return self.inner.finish(**args)
 
         return self._call("finish", send, **args)
+
+    def record(self, **args):
+        return self._call("record", self.inner.record, **args)
+
+    def records(self, **args):
+        return self._call("records", self.inner.records, **args)
 
     def close(self):
         self.inner.close()
@@ -495,3 +501,40 @@ def test_a_claimed_job_whose_executor_succeeds_ends_succeeded_after_exactly_one_
     [attempt] = attempts_of(job)
     assert attempt.state == AttemptState.SUCCEEDED
     assert runtime.claim_once() == 0  # nothing left to claim
+
+
+def test_the_journal_is_written_and_read_through_the_attempt_and_a_checkpoint_rides_a_heartbeat(make_transport, clock):
+    """record/records/heartbeat(checkpoint=…) behave the same over both transports
+    (jobqueue/services/records.py says the rules)."""
+    job = enqueue()
+    transport = make_transport("w1")
+    session = transport.register(spec("w1")).session
+    [claim] = transport.claim(session=session, max_jobs=1, wait=0)
+    fence = {"attempt_id": claim.attempt_id, "token": claim.token}
+
+    started = transport.record(**fence, key="publish:open-pr", state="started", value={})
+    assert (started.key, started.state, started.attempt_number, started.started_by) == ("publish:open-pr", "started", 1, 1)
+    assert not started.started_earlier and not started.already_done
+    done = transport.record(**fence, key="publish:open-pr", state="done", value={"output": "https://example/pr/1"})
+    assert (done.state, done.value, done.already_done) == ("done", {"output": "https://example/pr/1"}, False)
+    again = transport.record(**fence, key="publish:open-pr", state="started", value={})
+    assert again.already_done and again.value == {"output": "https://example/pr/1"}
+
+    clock.advance(1)
+    beat = transport.heartbeat(**fence, checkpoint=("implement", "session 42, turn 3"))
+    assert beat.lease_expires_at == in_seconds(clock, LEASE) and beat.cancel is False
+    assert transport.heartbeat(**fence).lease_expires_at == in_seconds(clock, LEASE)  # old callers: no checkpoint
+
+    journal = transport.records(**fence)
+    assert [(r.key, r.state, r.value) for r in journal] == [
+        ("publish:open-pr", "done", {"output": "https://example/pr/1"}),
+        ("checkpoint:implement", "started", {"content": "session 42, turn 3"}),
+    ]
+    assert error_of(lambda: transport.record(**fence, key="k", state="finished", value={})) is InvalidRequest
+    assert error_of(lambda: transport.heartbeat(**fence, checkpoint=("not a step id", "x"))) is InvalidRequest
+
+    transport.finish(**fence, outcome="succeeded", summary={}, error=None)
+    assert error_of(lambda: transport.record(**fence, key="late", state="done", value={})) is StaleAttempt
+    assert error_of(lambda: transport.records(**fence)) is StaleAttempt
+    assert error_of(lambda: transport.heartbeat(**fence, checkpoint=("implement", "late"))) is StaleAttempt
+    assert set(services.records_of_job(job.pk)) == {"publish:open-pr", "checkpoint:implement"}
