@@ -49,8 +49,8 @@ class StepConfig:
     spawn: bool = False  # stdout JSON lines become child tasks, once (run steps only)
 
 
-# A workflow's `hooks` keys, and the terminal job state each runs for.
-HOOK_OUTCOMES = {"on_success": "succeeded", "on_failure": "failed", "on_cancel": "cancelled"}
+# A workflow's `hooks` keys, each with the terminal job state (the outcome) it runs for.
+HOOK_KEYS = {"on_success": "succeeded", "on_failure": "failed", "on_cancel": "cancelled"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class WorkflowConfig:
     retry: Retry = Retry()  # the queue's boundary type, so the policy and its defaults are defined once
     priority: int = 0
     # {terminal job state (succeeded | failed | cancelled): the run steps of its hook, in order}, for the
-    # `hooks` keys given (HOOK_OUTCOMES); keyed by the job state, the name the queue and the hook job use.
+    # `hooks` keys given (HOOK_KEYS); keyed by the job state, the name the queue and the hook job use.
     hooks: Mapping[str, tuple[StepConfig, ...]] = dataclasses.field(default_factory=dict)
 
 

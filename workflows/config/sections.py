@@ -21,7 +21,7 @@ from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
 from .schema import (
     _SOURCE_TYPE_KEYS,
     AGENT_KEYS,
-    HOOK_OUTCOMES,
+    HOOK_KEYS,
     HOOK_STEP_KEYS,
     RETRY_KEYS,
     SOURCE_KEYS,
@@ -214,10 +214,10 @@ def _steps(check: _Checker, raw: Any, path: str) -> tuple[StepConfig, ...]:
 
 def _hooks(check: _Checker, raw: Any, path: str) -> dict[str, tuple[StepConfig, ...]]:
     """`hooks: {on_success|on_failure|on_cancel: [run steps]}` as {terminal job state: steps}."""
-    section = check.mapping(raw, path, HOOK_OUTCOMES) or {}
+    section = check.mapping(raw, path, HOOK_KEYS) or {}
     return {
         state: _hook_steps(check, section[key], f"{path}.{key}")
-        for key, state in HOOK_OUTCOMES.items()
+        for key, state in HOOK_KEYS.items()
         if section.get(key) is not None
     }
 
