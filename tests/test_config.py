@@ -290,6 +290,14 @@ def test_a_workflow_without_hooks_has_none(tmp_path):
     assert workflow.steps[0].publish is False
 
 
+def test_the_readme_apiary_yaml_example_loads(tmp_path):
+    block = (REPO / "README.md").read_text().split("### apiary.yaml", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    config = cfg.load(write(tmp_path, block), environ={"APIARY_WORKER_TOKEN": TOKEN, "APIARY_OLD_WORKER_TOKEN": "o" * 40})
+    fix = config.workflows["fix"]
+    assert [s.id for s in fix.steps if s.publish or s.spawn] == ["open-pr", "split"]
+    assert set(fix.hooks) == {"succeeded", "failed", "cancelled"}
+
+
 def test_config_objects_are_frozen(tmp_path):
     config = cfg.load(write(tmp_path, "project: p\n"), environ={})
     with pytest.raises(AttributeError):
