@@ -798,6 +798,18 @@ def test_every_error_is_reported_at_once(tmp_path):
     assert str(caught.value) == "\n".join(errors)
 
 
+def test_every_effect_and_hook_error_is_reported_at_once(tmp_path):
+    hooks = {"on_done": [{"run": "x"}], "on_failure": [{"timeout": "soon"}, {"run": "y", "prompt": "z"}]}
+    path = write_changed(tmp_path, {"workflows[0].steps[1].publish": True, "workflows[0].hooks": hooks})
+    assert [e.split(": ")[1] for e in errors_of(path)] == [
+        "workflows[0].steps[1].publish",
+        "workflows[0].hooks.on_done",
+        "workflows[0].hooks.on_failure[0].run",
+        "workflows[0].hooks.on_failure[0].timeout",
+        "workflows[0].hooks.on_failure[1].prompt",
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
