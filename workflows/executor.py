@@ -127,6 +127,10 @@ class Executor:
             job = payload.read(claim)
         except payload.PayloadError as exc:
             return Outcome("failed", {}, str(exc))
+        if isinstance(job, payload.HookJob):  # issue 10: hooks are dispatched; running them comes with the executor's part
+            return Outcome(
+                "failed", {}, f"job {claim.job_id}: the {job.outcome} hook of instance {job.instance_id}; not run yet"
+            )
         workflow = self.config.workflows.get(job.workflow)
         if workflow is None:
             return Outcome("failed", {}, f"workflow {job.workflow!r} is not in this worker's config")

@@ -6,8 +6,15 @@ workflow instance and its job in one transaction (`jobqueue.services.
 job_enqueue_in`). Dispatch is idempotent through the instance's uniqueness
 and the job's enqueue key, so polling an unchanged item again, or
 dispatching again after a crash, creates nothing new.
+
+A workflow with `hooks` gives its job follow-ups (jobqueue/services/
+followups.py): per outcome with hooks, one hook job the queue enqueues in the
+transaction that settles the instance's job in that state, under the same
+routing and the workflow's retry policy, keyed `<job key>:hook:<outcome>` so
+it exists at most once.
 """
 
+import dataclasses
 import logging
 import uuid
 
@@ -73,6 +80,11 @@ def enqueue_key(task: Task, workflow: str) -> str:
     return f"{task.pk}:{task.generation}:{workflow}"
 
 
+def hook_key(job_key: str, outcome: str) -> str:
+    """The dedup key of the hook job that follows the job `job_key` ending `outcome`."""
+    return f"{job_key}:hook:{outcome}"
+
+
 def affinity_key(task_id: int) -> str:
     """The queue's affinity key of a task: its jobs with `workspace_affinity` share it."""
     return f"task:{task_id}"
@@ -103,25 +115,53 @@ def instance_dispatch(
     except IntegrityError:  # dispatched concurrently (PostgreSQL): the other one's instance and job stand
         existing = WorkflowInstance.objects.select_related("job").get(**lookup)
         return existing, existing.job, False
+    key = enqueue_key(task, workflow.id)
+    # The instance's job and its hook jobs run under the agent's routing, with the same limits.
+    routing = {
+        "project": config.project,
+        "source": task.source,
+        "agent": agent.id,
+        "runner": agent.adapter,
+        "pool": agent.worker_pool,
+        "labels": list(agent.requires_labels),
+        "capabilities": [
+            *agent.requires_capabilities, WORKFLOW_CAPABILITY, RUNNER_CAPABILITY.format(adapter=agent.adapter)
+        ],
+        "affinity_key": affinity_key(task.pk) if agent.workspace_affinity else None,
+        "priority": workflow.priority,
+        "max_attempts": config.settings.queue.max_attempts,
+    }
     job, _ = queue.job_enqueue_in(
-        key=enqueue_key(task, workflow.id),
+        key=key,
         payload=payload.payload_of(workflow=workflow.id, instance_id=instance.pk, task=task),
-        project=config.project,
-        source=task.source,
-        agent=agent.id,
-        runner=agent.adapter,
-        pool=agent.worker_pool,
-        labels=agent.requires_labels,
-        capabilities=[*agent.requires_capabilities, WORKFLOW_CAPABILITY, RUNNER_CAPABILITY.format(adapter=agent.adapter)],
-        affinity_key=affinity_key(task.pk) if agent.workspace_affinity else None,
-        priority=workflow.priority,
-        max_attempts=config.settings.queue.max_attempts,
         retry=workflow.retry,
+        follow_ups=_hook_follow_ups(key=key, workflow=workflow, instance=instance, task=task, routing=routing),
         clock=clock,
+        **routing,
     )
     WorkflowInstance.objects.filter(pk=instance.pk).update(job=job)
     instance.job = job
     return instance, job, True
+
+
+def _hook_follow_ups(
+    *, key: str, workflow: WorkflowConfig, instance: WorkflowInstance, task: Task, routing: dict
+) -> dict:
+    """{outcome: [the hook job's spec]} for each outcome with hooks: what the queue enqueues when
+    the instance's job settles in that state (a job_enqueue_in keyword dict, stored as JSON)."""
+    follow_ups = {}
+    for outcome in workflow.hooks:
+        hook = hook_key(key, outcome)
+        hook_payload = payload.hook_payload_of(
+            workflow=workflow.id,
+            instance_id=instance.pk,
+            task=task,
+            outcome=outcome,
+            effect_key=payload.effect_key_of(project=routing["project"], key=hook),
+        )
+        spec = {"key": hook, "payload": hook_payload, **routing, "retry": dataclasses.asdict(workflow.retry)}
+        follow_ups[outcome] = [spec]
+    return follow_ups
 
 
 def dispatch(*, config: Config, task: Task, workflows: tuple[str, ...], clock: Clock | None = None) -> list[Job]:
