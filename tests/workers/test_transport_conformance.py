@@ -80,7 +80,7 @@ class FakeExecutor:
         self.cancelled = threading.Event()
         self.claims = []
 
-    def run(self, claim, cancel, *, grace) -> Outcome:
+    def run(self, claim, cancel, *, grace, journal=None) -> Outcome:
         self.claims.append(claim)
         self.started.set()
         while self.hold and not self.release.is_set():
