@@ -103,6 +103,15 @@ def effect_key_of(*, project: str, key: str) -> str:
     return hashlib.sha256(f"{project}\0{key}".encode()).hexdigest()[:32]
 
 
+def step_effect_key(*, project: str, job: WorkflowJob, step_id: str) -> str:
+    """APIARY_EFFECT_KEY of an effect step (publish, spawn) of a workflow job: effect_key_of the
+    project and the instance's job key as dispatch writes it (task:generation:workflow, from the
+    payload's task snapshot) with the step id: the same for every attempt, retry and worker of
+    that instance's step, different for every other step, instance and project."""
+    key = f"{job.task['id']}:{job.task.get('generation', '')}:{job.workflow}:step:{step_id}"
+    return effect_key_of(project=project, key=key)
+
+
 def hook_payload_of(*, workflow: str, instance_id: int, task, outcome: str, effect_key: str) -> dict:
     """The payload of the hook job that follows the instance ending `outcome`; PayloadError as payload_of's."""
     if outcome not in HOOK_OUTCOMES:
