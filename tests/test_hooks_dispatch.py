@@ -5,7 +5,6 @@ and the workflow's retry policy — with a payload `workflows.payload.read`
 tells apart from a workflow job's. Running hooks is the executor's part."""
 
 import dataclasses
-import threading
 
 import pytest
 
@@ -13,10 +12,8 @@ from jobqueue import services as queue
 from jobqueue.models import Job, JobState
 from jobqueue.types import Claim
 from tests.factories import claim, make_task, register
-from workers.pgroups import ProcessGroups
 from workflows import payload
 from workflows.config import load
-from workflows.executor import Executor
 from workflows.models import Task, WorkflowInstance
 from workflows.services import dispatch, enqueue_key, hook_key, instance_dispatch
 
@@ -217,19 +214,3 @@ def test_a_damaged_hook_payload_is_refused(hook):
 def test_a_hook_outcome_that_is_not_terminal_is_not_written():
     with pytest.raises(ValueError, match="a hook outcome is one of succeeded, failed, cancelled"):
         payload.hook_payload_of(workflow="fix", instance_id=3, task=_Task(), outcome="queued", effect_key="k")
-
-
-def test_the_executor_runs_no_step_of_a_hook_job_until_it_supports_hooks(config, tmp_path):
-    """Until the executor's part of issue 10 lands, a hook job fails at once: it must never run the
-    workflow's own steps a second time."""
-    class History:
-        def step_started(self, **kwargs):
-            raise AssertionError("no step may start")
-
-        step_finished = step_started
-
-    executor = Executor(config=config, worker_id="w1", history=History(), groups=ProcessGroups(tmp_path / "run"))
-    p = payload.hook_payload_of(workflow="fix", instance_id=3, task=_Task(), outcome="succeeded", effect_key="k")
-    outcome = executor.run(_claim_of(p), threading.Event(), grace=1.0)
-    assert outcome.outcome == "failed"
-    assert "the succeeded hook of instance 3" in outcome.error
