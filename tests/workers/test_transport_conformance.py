@@ -44,6 +44,7 @@ from tests.workers.connections import hang_up_all
 from workers.credentials import CredentialFile
 from workers.executor import Outcome
 from workers.http import HttpTransport
+from workers.journal import Checkpoint, JournalError
 from workers.localdb import LocalDB
 from workers.runtime import WorkerRuntime
 from workers.transport import InProcessTransport, TransportError, WorkerSpec
@@ -538,3 +539,61 @@ def test_the_journal_is_written_and_read_through_the_attempt_and_a_checkpoint_ri
     assert error_of(lambda: transport.records(**fence)) is StaleAttempt
     assert error_of(lambda: transport.heartbeat(**fence, checkpoint=("implement", "late"))) is StaleAttempt
     assert set(services.records_of_job(job.pk)) == {"publish:open-pr", "checkpoint:implement"}
+
+
+class JournalExecutor:
+    """An executor that uses its journal as the workflow executor does: reads it, records a
+    publish's start, points its checkpoint slot at a file, then holds; once released it
+    records the publish done (which a stale attempt cannot)."""
+
+    def __init__(self, checkpoint_file):
+        self.file = checkpoint_file
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.seen: dict = {}
+        self.error: JournalError | None = None
+
+    def run(self, claim, cancel, *, grace, journal) -> Outcome:
+        try:
+            self.seen = journal.records()
+            journal.record("publish:open-pr", "started", {})
+            self.file.write_text("session 42, turn 3")
+            journal.checkpoint = Checkpoint("implement", self.file)
+            self.started.set()
+            self.release.wait(WAIT)
+            journal.record("publish:open-pr", "done", {"output": "https://example/pr/1"})
+        except JournalError as exc:
+            self.error = exc
+            return Outcome("failed", {}, str(exc))
+        return Outcome("succeeded", {})
+
+
+def test_the_runtime_gives_the_executor_its_jobs_journal_and_heartbeats_carry_its_checkpoint(make_runtime, tmp_path, clock):
+    """Over both transports: the executor's journal writes through the claim's attempt, a changed
+    checkpoint file rides the next heartbeat once (an unchanged one is not resent), and a journal
+    write refused as stale discards the job's result, as a stale heartbeat does."""
+    job = enqueue()
+    executor = JournalExecutor(tmp_path / "checkpoint")
+    runtime = make_runtime(executor)
+    assert runtime.claim_once() == 1
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to hold")
+
+    tick(runtime)
+    runtime.heartbeat_once()
+    tick(runtime)
+    runtime.heartbeat_once()
+    sent = [c.args.get("checkpoint") for c in runtime.transport.of("heartbeat")]
+    assert sent == [("implement", "session 42, turn 3"), None]
+
+    clock.advance(LEASE + 1)
+    services.leases_expire()  # the worker paused past its lease
+    executor.release.set()
+    runtime.reap(wait=True)
+
+    assert executor.seen == {} and executor.error is not None and not executor.error.current
+    assert runtime.transport.of("finish") == []  # the stale write discarded the result: no finish sent
+    records = services.records_of_job(job.pk)
+    assert {key: (r.state, r.value) for key, r in records.items()} == {
+        "publish:open-pr": ("started", {}),
+        "checkpoint:implement": ("started", {"content": "session 42, turn 3"}),
+    }
