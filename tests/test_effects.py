@@ -26,6 +26,7 @@ from workers.transport import InProcessTransport, WorkerSpec
 from workers.verdicts import Verdict
 from workflows import effects, payload
 from workflows.config import load
+from workflows.config.loading import ConfigError
 from workflows.executor import Executor
 
 pytestmark = pytest.mark.django_db
@@ -377,3 +378,11 @@ def test_a_hook_the_config_no_longer_has_runs_nothing(tmp_path):
     job = enqueue()
     outcome = make_executor(tmp_path).run(hook_claim(job, "cancelled"), threading.Event(), grace=GRACE)
     assert (outcome.outcome, outcome.summary["steps"]) == ("succeeded", [])
+
+
+def test_a_hook_step_id_leaves_room_for_its_history_id(tmp_path):
+    steps = {"plan": {"run": "true"}}
+    path = write_config(tmp_path, steps)
+    path.write_text(path.read_text().replace("[{run: \"exit 4\"}]", "[{id: " + "h" * 114 + ", run: \"exit 4\"}]"))
+    with pytest.raises(ConfigError, match=r"hooks.on_failure\[0\].id: a hook step id is at most 113 characters"):
+        load(path)

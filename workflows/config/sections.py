@@ -23,6 +23,7 @@ from .schema import (
     AGENT_KEYS,
     HOOK_KEYS,
     HOOK_STEP_KEYS,
+    MAX_ID_LENGTH,
     RETRY_KEYS,
     SOURCE_KEYS,
     SOURCE_TYPES,
@@ -222,6 +223,10 @@ def _hooks(check: _Checker, raw: Any, path: str) -> dict[str, tuple[StepConfig, 
     }
 
 
+# A hook step's history id is `hook:<outcome>:<id>` (workflows.executor), kept beside the instance's step rows.
+MAX_HOOK_STEP_ID = MAX_ID_LENGTH - max(len(f"hook:{state}:") for state in HOOK_KEYS.values())
+
+
 def _hook_steps(check: _Checker, raw: Any, path: str) -> tuple[StepConfig, ...]:
     """A hook's run steps: `run` required, `timeout` and `env` as a step's; ids default to hook-1, hook-2, …"""
     if isinstance(raw, list) and not raw:
@@ -252,6 +257,12 @@ def _hook_steps(check: _Checker, raw: Any, path: str) -> tuple[StepConfig, ...]:
                 seen[ident] = step_path
         else:
             ident = _unique_id(check, entry, step_path, seen, kind="step", section=path)
+            if ident is not None and len(ident) > MAX_HOOK_STEP_ID:
+                check.error(
+                    f"{step_path}.id",
+                    f"a hook step id is at most {MAX_HOOK_STEP_ID} characters (its history row is "
+                    f"hook:<outcome>:<id>, at most {MAX_ID_LENGTH}), got {len(ident)}",
+                )
         steps.append(
             StepConfig(
                 id=ident or "",
