@@ -349,6 +349,22 @@ def test_a_checkpoint_rides_a_heartbeat_and_the_next_attempt_starts_from_it_resu
     assert runs(tmp_path, "long") == ["0:", "1:turn 3"]  # pre-filled from the journal, APIARY_RESUMED=1
 
 
+def test_a_failed_steps_checkpoint_is_sent_as_it_ends_and_its_next_attempt_starts_from_it(tmp_path, clock):
+    job = enqueue()
+    steps = {
+        "long": {
+            "run": 'printf "%s:%s\\n" "$${APIARY_RESUMED:-0}" "$(cat "$APIARY_CHECKPOINT" 2>/dev/null)" >> "$COUNTS/long"; '
+            'printf "turn 7" > "$APIARY_CHECKPOINT"; test -f "$COUNTS/go"'
+        }
+    }
+    assert Attempt().run(make_executor(tmp_path, steps=steps)).outcome == "failed"  # no heartbeat came due
+    assert journal_of(job)["checkpoint:long"] == ("started", {"content": "turn 7"})
+    expire(clock)
+    (tmp_path / "counts" / "go").touch()
+    assert Attempt().run(make_executor(tmp_path, steps=steps)).outcome == "succeeded"
+    assert runs(tmp_path, "long") == ["0:", "1:turn 7"]
+
+
 # --- hooks ------------------------------------------------------------------------------------------
 
 

@@ -109,6 +109,26 @@ class Journal:
     def checkpoint_sent(self, checkpoint: tuple[str, str]) -> None:
         self.sent = checkpoint
 
+    def checkpoint_flush(self) -> None:
+        """Send the running step's checkpoint now, if it changed (a step that failed: its next
+        attempt starts from it), with a heartbeat of its own; tried once, as heartbeats are."""
+        if self.cancel.is_set():
+            # Stopped (self-fenced, cancelled, the worker stopping): a heartbeat now would
+            # extend a lease this worker has given up, and keep the job from its next attempt.
+            return
+        checkpoint = self.pending_checkpoint()
+        if checkpoint is None:
+            return
+        try:
+            self.transport.heartbeat(attempt_id=self.claim.attempt_id, token=self.claim.token, checkpoint=checkpoint)
+        except QueueError as exc:
+            verdict = classify(exc)
+            if verdict in (Verdict.STALE, Verdict.SUPERSEDED, Verdict.UNAUTHORIZED):
+                self.on_refused(verdict, exc)
+            log.warning("job %s: checkpoint of step %s not sent (%s)", self.claim.job_id, checkpoint[0], exc)
+            return
+        self.checkpoint_sent(checkpoint)
+
     def _call(self, what: str, fn):
         backoff = Backoff(**JOURNAL_BACKOFF, rand=self.rand)
         while True:

@@ -325,6 +325,7 @@ class Executor:
 
         if run.journal is not None:
             run.journal.checkpoint = Checkpoint(step_id, checkpoint)
+        result = None
         try:
             result = runners.run_step(
                 argv,
@@ -345,6 +346,8 @@ class Executor:
             result = _unstarted(log_path, started, f"apiary: step {history_id} could not be run: {exc!r}")
         finally:
             if run.journal is not None:
+                if result is None or result.status != "succeeded":  # the next attempt of this step starts from it
+                    run.journal.checkpoint_flush()
                 run.journal.checkpoint = None
         for pgid in spawned:  # run_step ended the whole group, background children too
             self.groups.remove(pgid)
