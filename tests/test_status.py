@@ -45,6 +45,7 @@ ACTIVE_KEYS = {
     "instance_id",
     "task_id",
     "workflow",
+    "parent_instance_id",
     "worker_id",
     "attempt_number",
     "lease_expires_at",
@@ -113,6 +114,7 @@ def test_document_shape_and_values(clock, queue_config):
         "instance_id": instance.pk,
         "task_id": instance.task_id,
         "workflow": "triage",
+        "parent_instance_id": None,  # not a spawned task's
         "worker_id": "w1",
         "attempt_number": 1,
         "lease_expires_at": "2026-01-01T00:00:30Z",

@@ -1,6 +1,8 @@
 """Admin for tasks and workflow instances: readable, with the step history
-inline. Tasks and instances are written by sources and the queue services,
-so the admin edits nothing; its actions call one service each."""
+inline, and a spawned instance's parent (the instance whose spawn step
+created its task) and an instance's children. Tasks and instances are
+written by sources, spawns and the queue services, so the admin edits
+nothing; its actions call one service each."""
 
 from django.contrib import admin
 
@@ -22,10 +24,12 @@ class StepRunInline(ReadOnlyMixin, admin.TabularInline):
 class InstanceInline(ReadOnlyMixin, admin.TabularInline):
     model = WorkflowInstance
 
-    def get_queryset(self, request):
-        return super().get_queryset(request).select_related("job")
+    fk_name = "task"
 
-    fields = ("generation", "workflow", "state", "created_at", "finished_at")
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("job", "parent__task")
+
+    fields = ("generation", "workflow", "state", "parent", "created_at", "finished_at")
     readonly_fields = fields
 
     @admin.display(description="state")
@@ -37,6 +41,19 @@ class InstanceInline(ReadOnlyMixin, admin.TabularInline):
         return obj.job.finished_at if obj.job else None
     extra = 0
     show_change_link = True
+
+
+class ChildInstanceInline(InstanceInline):
+    """The instances whose tasks this instance's spawn steps created."""
+
+    fk_name = "parent"
+    verbose_name = "spawned instance"
+    verbose_name_plural = "spawned instances"
+    fields = ("task", "generation", "workflow", "state", "created_at", "finished_at")
+    readonly_fields = fields
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("task")
 
 
 class TaskStateFilter(admin.SimpleListFilter):
@@ -74,11 +91,11 @@ class TaskAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
 
 @admin.register(WorkflowInstance)
 class WorkflowInstanceAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
-    list_display = ("id", "workflow", "task", "generation", "state", "created_at", "finished_at")
+    list_display = ("id", "workflow", "task", "generation", "state", "parent", "created_at", "finished_at")
     list_filter = ("job__state", "workflow")
     search_fields = ("workflow", "task__item_key")
-    list_select_related = ("task", "job")
-    inlines = (StepRunInline,)
+    list_select_related = ("task", "job", "parent__task")
+    inlines = (StepRunInline, ChildInstanceInline)
     actions = ("cancel_instances",)
 
     @admin.action(description="Cancel selected instances", permissions=("operate",))

@@ -21,6 +21,10 @@ APIARY_EFFECT_KEY (stable across the hook job's attempts, retries and
 workers: it is stored, not derived at run time); `outcome` is
 APIARY_HOOK_OUTCOME. The steps of one hook share the key (APIARY_STEP_ID
 tells them apart).
+
+The job of a spawned child's instance (workflows.spawning), and its hook jobs,
+also carry `parent_instance_id`: the spawning instance, for `apiary status`
+(jobqueue.selectors.status.payload_refs reads it by name). The worker ignores it.
 """
 
 import dataclasses
@@ -92,9 +96,17 @@ def task_snapshot(task) -> dict:
     }
 
 
-def payload_of(*, workflow: str, instance_id: int, task) -> dict:
+def _parent(parent_instance_id: int | None) -> dict:
+    # A spawned child's instance names its parent instance (status shows it); others carry no key.
+    return {} if parent_instance_id is None else {"parent_instance_id": parent_instance_id}
+
+
+def payload_of(*, workflow: str, instance_id: int, task, parent_instance_id: int | None = None) -> dict:
     """The job's payload; PayloadError when it is over JOB_PAYLOAD_CAP or nests too deep."""
-    return _checked(task, {"workflow": workflow, "instance_id": instance_id, "task": task_snapshot(task)})
+    return _checked(
+        task,
+        {"workflow": workflow, "instance_id": instance_id, "task": task_snapshot(task), **_parent(parent_instance_id)},
+    )
 
 
 def effect_key_of(*, project: str, key: str) -> str:
@@ -112,12 +124,15 @@ def step_effect_key(*, project: str, job: WorkflowJob, step_id: str) -> str:
     return effect_key_of(project=project, key=key)
 
 
-def hook_payload_of(*, workflow: str, instance_id: int, task, outcome: str, effect_key: str) -> dict:
+def hook_payload_of(
+    *, workflow: str, instance_id: int, task, outcome: str, effect_key: str, parent_instance_id: int | None = None
+) -> dict:
     """The payload of the hook job that follows the instance ending `outcome`; PayloadError as payload_of's."""
     if outcome not in HOOK_OUTCOMES:
         raise ValueError(f"a hook outcome is one of {', '.join(HOOK_OUTCOMES)}, got {outcome!r}")
     hook = {"outcome": outcome, "effect_key": effect_key}
-    return _checked(task, {"workflow": workflow, "instance_id": instance_id, "task": task_snapshot(task), "hook": hook})
+    job_payload = {"workflow": workflow, "instance_id": instance_id, "task": task_snapshot(task), "hook": hook}
+    return _checked(task, {**job_payload, **_parent(parent_instance_id)})
 
 
 def _checked(task, job_payload: dict) -> dict:

@@ -103,6 +103,21 @@ def instance_dispatch(
     """One workflow on the task's current generation: the instance and its job,
     committed together. Returns (instance, job, created); an existing instance
     is returned as it is."""
+    return instance_dispatch_in(config=config, task=task, workflow=workflow, clock=clock)
+
+
+def instance_dispatch_in(
+    *,
+    config: Config,
+    task: Task,
+    workflow: WorkflowConfig,
+    parent: WorkflowInstance | None = None,
+    clock: Clock | None = None,
+) -> tuple[WorkflowInstance, Job, bool]:
+    """instance_dispatch in the caller's transaction (workflows.spawning
+    dispatches a spawn's children with the record's marker). `parent` is the
+    spawning instance of a child task's instance: stored on the instance and
+    in its job's payload (`parent_instance_id`)."""
     lookup = {"task": task, "generation": task.generation, "workflow": workflow.id}
     existing = WorkflowInstance.objects.select_related("job").filter(**lookup).first()
     if existing is not None:
@@ -111,11 +126,12 @@ def instance_dispatch(
     agent: AgentConfig = config.agents[workflow.agent]
     try:
         with transaction.atomic():
-            instance = WorkflowInstance.objects.create(created_at=now, **lookup)
+            instance = WorkflowInstance.objects.create(created_at=now, parent=parent, **lookup)
     except IntegrityError:  # dispatched concurrently (PostgreSQL): the other one's instance and job stand
         existing = WorkflowInstance.objects.select_related("job").get(**lookup)
         return existing, existing.job, False
     key = enqueue_key(task, workflow.id)
+    parent_id = parent.pk if parent is not None else None
     # The instance's job and its hook jobs run under the agent's routing, with the same limits.
     routing = {
         "project": config.project,
@@ -133,9 +149,13 @@ def instance_dispatch(
     }
     job, _ = queue.job_enqueue_in(
         key=key,
-        payload=payload.payload_of(workflow=workflow.id, instance_id=instance.pk, task=task),
+        payload=payload.payload_of(
+            workflow=workflow.id, instance_id=instance.pk, task=task, parent_instance_id=parent_id
+        ),
         retry=workflow.retry,
-        follow_ups=_hook_follow_ups(key=key, workflow=workflow, instance=instance, task=task, routing=routing),
+        follow_ups=_hook_follow_ups(
+            key=key, workflow=workflow, instance=instance, task=task, routing=routing, parent_instance_id=parent_id
+        ),
         clock=clock,
         **routing,
     )
@@ -145,7 +165,13 @@ def instance_dispatch(
 
 
 def _hook_follow_ups(
-    *, key: str, workflow: WorkflowConfig, instance: WorkflowInstance, task: Task, routing: dict
+    *,
+    key: str,
+    workflow: WorkflowConfig,
+    instance: WorkflowInstance,
+    task: Task,
+    routing: dict,
+    parent_instance_id: int | None = None,
 ) -> dict:
     """{outcome: [the hook job's spec]} for each outcome with hooks: what the queue enqueues when
     the instance's job settles in that state (a job_enqueue_in keyword dict, stored as JSON)."""
@@ -158,6 +184,7 @@ def _hook_follow_ups(
             task=task,
             outcome=outcome,
             effect_key=payload.effect_key_of(project=routing["project"], key=hook),
+            parent_instance_id=parent_instance_id,
         )
         spec = {"key": hook, "payload": hook_payload, **routing, "retry": dataclasses.asdict(workflow.retry)}
         follow_ups[outcome] = [spec]
