@@ -93,6 +93,7 @@ def effect_workflows(config: dict) -> None:
             "steps": [
                 {"id": "prep", "run": sh("mark prep\ngate prep\nprintf prep-output"), "timeout": "120s"},
                 {"id": "pub", "publish": True, "run": sh("mark pub\nprintf published"), "timeout": "120s"},
+                {"id": "split", "spawn": True, "run": sh("mark split\n" + SPAWN_OUTPUT), "timeout": "120s"},
             ],
         },
         {
@@ -279,7 +280,7 @@ def test_worker_killed_mid_publish_runs_it_again_with_the_same_key_and_retry_set
 # --------------------------------------------------------------------------- 3. a stale attempt
 
 
-def test_stale_attempt_records_no_publish_and_the_instance_has_one_writer(cp, workers):
+def test_stale_attempt_records_no_publish_or_spawn_and_the_instance_has_one_writer(cp, workers):
     title = "pubstale-1"
     procs = pair(workers, "pubstale")
     job = add(cp, title, "fx-stale")
@@ -303,11 +304,17 @@ def test_stale_attempt_records_no_publish_and_the_instance_has_one_writer(cp, wo
                            rf"finish of job {job['id']} attempt \d+ refused as stale")
     wait_for(lambda: discarded.search(stale.output()), what="the stale worker to discard its result",
              alive=(stale.proc,), context=stale.tail)
-    # The stale attempt ran no publish: one run, the fresh attempt's.
+    # The stale attempt ran no publish and no spawn: one run of each, the fresh attempt's.
     assert [(m["worker"], m["attempt"]) for m in marks(cp, title, "pub")] == [(fresh.worker_id, "2")]
+    assert [(m["worker"], m["attempt"]) for m in marks(cp, title, "split")] == [(fresh.worker_id, "2")]
+    for child in (f"{title}-child-1", f"{title}-child-2"):
+        wait_for(lambda c=child: (j := workflow_job(cp, c, "fx-child")) and ended(cp, j["id"]),
+                 what=f"{child} to run", alive=(fresh.proc,), context=context_of(cp, fresh))
+        assert cp.value("SELECT COUNT(*) FROM workflows_task WHERE title = ?", child) == 1
+        assert len(marks(cp, child, "child")) == 1
     # Every record of the job was written by attempt 2 alone.
     recorded = records(cp, job["id"])
-    assert {"step:prep", "publish:pub", "step:pub"} <= set(recorded), recorded
+    assert {"step:prep", "publish:pub", "step:pub", "spawn:split", "step:split"} <= set(recorded), recorded
     assert {(k, r["attempt_number"]) for k, r in recorded.items()} == {(k, 2) for k in recorded}, recorded
     assert [(a["number"], a["state"]) for a in cp.attempts(job["id"])] == [(1, "expired"), (2, "succeeded")]
     assert job_state(cp, job["id"]) == "succeeded"
