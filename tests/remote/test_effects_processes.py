@@ -24,6 +24,8 @@ import signal
 
 import pytest
 
+from tests.daemon import recorded_groups
+
 from .conftest import ALPHA, BETA, ControlPlane, WorkerProcess, pid_running, wait_for
 
 pytestmark = pytest.mark.processes
@@ -243,6 +245,49 @@ def test_worker_killed_after_publish_succeeded_publish_runs_once_in_all(cp, work
     assert [m["worker"] for m in marks(cp, title, "prep")] == [victim.worker_id, survivor.worker_id]
     assert [m["worker"] for m in marks(cp, title, "after")] == [victim.worker_id, survivor.worker_id]
     assert records(cp, job["id"])["publish:pub"]["value"]["output"] == "published-1"
+
+
+def embedded(config: dict) -> None:
+    effect_workflows(config)
+    config["settings"]["queue"]["embedded_worker"] = True
+
+
+def test_embedded_worker_killed_after_publish_succeeded_publish_runs_once_in_all(tmp_path):
+    """The same with the embedded worker: SIGKILL `apiary run` (and its step) and start it again."""
+    plane = ControlPlane(tmp_path / "embedded", edit_config=embedded)
+    title = "pubembedded-1"
+    gate(plane, title, "pub")
+    state = plane.root / ".apiary"
+    try:
+        plane.start()
+        job = add(plane, title, "fx-publish")
+        wait_for(lambda: marks(plane, title, "after"), what="step after to run (the publish is done)",
+                 alive=(plane.proc,), context=plane.tail)
+        assert records(plane, job["id"])["publish:pub"]["state"] == "done"
+        groups = recorded_groups(state)
+        plane.kill()
+        for pgid in groups:  # the host's crash takes the step too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        plane.start()
+        wait_for(lambda: len(marks(plane, title, "after")) == 2, what="step after to run again",
+                 alive=(plane.proc,), context=plane.tail)
+        gate(plane, title, "after")
+        assert wait_for(lambda: ended(plane, job["id"]), what="the job to end", alive=(plane.proc,),
+                        context=plane.tail) == "succeeded"
+        assert [a["state"] for a in plane.attempts(job["id"])] == ["expired", "succeeded"]
+        assert len(marks(plane, title, "pub.begin")) == len(marks(plane, title, "pub.end")) == 1
+        assert (plane.marks / f"{title}.after-saw").read_text() == "published-1"
+        # The same worker id in the same workspace: prep was skipped too (its success reused).
+        assert len(marks(plane, title, "prep")) == 1
+    finally:
+        for name in ("pub", "after"):
+            gate(plane, title, name)
+        if plane.proc is not None:
+            plane.stop()
+        for pgid in recorded_groups(state):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- 2. kill -9 mid-publish
