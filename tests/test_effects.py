@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from django.contrib import admin
 
 from jobqueue import services
 from jobqueue.models import Job
@@ -20,14 +21,18 @@ from jobqueue.types import Claim
 from tests.factories import claim, enqueue, register
 from tests.waiting import wait_for
 from workers.journal import Journal
+from workers.localdb import LocalDB
 from workers.pgroups import ProcessGroups
 from workers.runtime import WorkerRuntime
 from workers.transport import InProcessTransport, WorkerSpec
 from workers.verdicts import Verdict
 from workflows import effects, payload
+from workflows.admin import StepRunInline
 from workflows.config import load
 from workflows.config.loading import ConfigError
-from workflows.executor import Executor
+from workflows.executor import SKIPPED_NOTES, Executor
+from workflows.history import DatabaseHistory
+from workflows.models import StepRun, WorkflowInstance
 
 pytestmark = pytest.mark.django_db
 
@@ -68,6 +73,7 @@ class History:
 
     def __init__(self, on_finished=lambda step_id: None):
         self.rows: dict[str, str] = {}
+        self.notes: dict[str, str] = {}
         self.on_finished = on_finished
 
     def step_started(self, *, claim, worker_id, step_id, started_at, log_path):
@@ -75,6 +81,7 @@ class History:
 
     def step_finished(self, *, claim, worker_id, step_id, result):
         self.rows[step_id] = result.status
+        self.notes[step_id] = result.output_tail
         self.on_finished(step_id)
 
 
@@ -154,14 +161,21 @@ def test_a_re_attempt_in_the_same_workspace_skips_recorded_steps_and_reuses_thei
 
     expire(clock)
     (tmp_path / "counts" / "last-fails").unlink()
-    history = History()
-    second = Attempt().run(make_executor(tmp_path, history=history))
+    second = Attempt().run(make_executor(tmp_path, history=DatabaseHistory()))  # the embedded worker's history
     assert second.outcome == "succeeded", second.error
-    assert runs(tmp_path, "plan") == ["ran"] and len(runs(tmp_path, "pub")) == 1
-    assert history.rows == {"last": "succeeded"}  # only the unrecorded step ran
+    assert runs(tmp_path, "plan") == ["ran"] and len(runs(tmp_path, "pub")) == 1  # only the unrecorded step ran
     assert [(s["id"], s["status"]) for s in second.summary["steps"]] == [
         ("plan", "skipped"), ("pub", "skipped"), ("last", "succeeded")
     ]
+    # The skipped steps have history rows, saying why, so status and the admin show them.
+    rows = StepRun.objects.filter(instance_id=job.payload["instance_id"], attempt_number=2)
+    assert {r.step_id: (r.status, r.output_tail) for r in rows} == {
+        "plan": ("skipped", SKIPPED_NOTES["step"]), "pub": ("skipped", SKIPPED_NOTES["publish"]),
+        "last": ("succeeded", ""),
+    }
+    assert all(r.ended_at is not None and r.worker_id == "w1" for r in rows)
+    inline = StepRunInline(WorkflowInstance, admin.site)
+    assert [inline.note(r) for r in rows.order_by("id")] == [SKIPPED_NOTES["step"], SKIPPED_NOTES["publish"], ""]
     assert (workspace(tmp_path, job) / "last.out").read_text() == "https://example/pr/1/plan-output"
 
 
@@ -172,8 +186,11 @@ def test_a_re_attempt_on_another_worker_starts_over_but_never_runs_a_done_publis
     expire(clock)
     (tmp_path / "counts" / "last-fails").unlink()
 
-    second = Attempt("w2").run(make_executor(tmp_path, "w2"))
+    history = History()
+    second = Attempt("w2").run(make_executor(tmp_path, "w2", history=history))
     assert second.outcome == "succeeded", second.error
+    assert history.rows == {"plan": "succeeded", "pub": "skipped", "last": "succeeded"}
+    assert history.notes["pub"] == SKIPPED_NOTES["publish"]
     assert runs(tmp_path, "plan") == ["ran", "ran"]  # another worker's record: run again
     assert len(runs(tmp_path, "pub")) == 1  # the done publish: never again, anywhere
     assert (workspace(tmp_path, job) / "last.out").read_text() == "https://example/pr/1/plan-output"
@@ -263,8 +280,13 @@ def test_a_spawn_steps_children_are_validated_and_recorded_once(tmp_path, clock)
     expire(clock)
     (tmp_path / "counts" / "last-fails").unlink()
 
-    assert Attempt("w2").run(make_executor(tmp_path, "w2", steps=SPAWN_STEPS)).outcome == "succeeded"
+    outbox = LocalDB(tmp_path / "w2.db")  # a remote worker's history
+    second = Attempt("w2")
+    assert second.run(make_executor(tmp_path, "w2", steps=SPAWN_STEPS, history=outbox)).outcome == "succeeded"
     assert runs(tmp_path, "split") == ["ran"]  # a done spawn is not run again, in any workspace
+    rows = outbox.db.execute("SELECT step_id, status, output_tail FROM step_runs WHERE job_id = ?", (job.pk,))
+    assert ("split", "skipped", SKIPPED_NOTES["spawn"]) in rows.fetchall()
+    outbox.close()
     assert journal_of(job)["spawn:split"] == ("done", {"children": CHILDREN})
 
 

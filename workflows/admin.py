@@ -16,9 +16,14 @@ from .services import affinity_key
 
 class StepRunInline(ReadOnlyMixin, admin.TabularInline):
     model = StepRun
-    fields = ("attempt_number", "step_id", "status", "worker_id", "started_at", "ended_at", "exit_code", "log_path")
+    fields = ("attempt_number", "step_id", "status", "note", "worker_id", "started_at", "ended_at", "exit_code", "log_path")
     readonly_fields = fields
     extra = 0
+
+    @admin.display(description="note")
+    def note(self, obj: StepRun) -> str:
+        """Why a skipped step did not run (the journal recorded it done); its tail says so."""
+        return obj.output_tail if obj.status == "skipped" else ""
 
 
 class InstanceInline(ReadOnlyMixin, admin.TabularInline):

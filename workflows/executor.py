@@ -117,6 +117,13 @@ def _env_safe(value: str) -> str:
     return _NOT_IN_ENV.sub("\ufffd", value)
 
 
+# The output tail of a skipped step's history row: why it did not run (Executor._reused).
+SKIPPED_NOTES = {
+    "step": "apiary: skipped, its success was recorded by an earlier attempt in this workspace; output reused",
+    "publish": "apiary: skipped, this publish was recorded done by an earlier attempt; output reused",
+    "spawn": "apiary: skipped, this spawn's children were recorded by an earlier attempt",
+}
+
 CHECKPOINT_DIR = ".apiary-checkpoint"  # in the workspace: a step's APIARY_CHECKPOINT file
 
 
@@ -211,8 +218,7 @@ class Executor:
         if reused is not None:
             why, output = reused
             log.info("job %s: step %s skipped (%s recorded); its output reused", run.claim.job_id, history_id, why)
-            run.context["steps"][step.id] = {"output": output, "exit_code": 0, "status": "succeeded"}
-            run.summary.append({"id": history_id, "status": "skipped", "reused": why})
+            self._skipped(run, step, history_id, why, output)
             return None
         try:
             argv, stdin, extra_env = self._command(run.agent, step, run.context)
@@ -231,9 +237,7 @@ class Executor:
             # Fenced: a stale attempt records nothing (JournalError), so it never runs the command.
             started = run.journal.record(effects.PUBLISH + step.id, "started", {})
             if started.already_done:  # another attempt finished it meanwhile
-                output = started.value.get("output", "")
-                run.context["steps"][step.id] = {"output": output, "exit_code": 0, "status": "succeeded"}
-                run.summary.append({"id": history_id, "status": "skipped", "reused": "publish"})
+                self._skipped(run, step, history_id, "publish", str(started.value.get("output", "")))
                 return None
             if started.started_earlier:  # its end is unknown: run again, and say so
                 effect_env["APIARY_EFFECT_RETRY"] = "1"
@@ -273,6 +277,21 @@ class Executor:
             why = "timed out" if result.status == "timed_out" else f"exited with {result.exit_code}"
             return "failed", f"step {step.id} {why}"
         return None
+
+    def _skipped(self, run: "_Run", step: StepConfig, history_id: str, why: str, output: str) -> None:
+        """A step the journal says is done: its recorded output is reused, and its history row
+        says `skipped` and why, so status and the admin show it."""
+        run.context["steps"][step.id] = {"output": output, "exit_code": 0, "status": "succeeded"}
+        run.summary.append({"id": history_id, "status": "skipped", "reused": why})
+        now = dt.datetime.now(dt.UTC)
+        self.history.step_started(claim=run.claim, worker_id=self.worker_id, step_id=history_id, started_at=now, log_path="")
+        self.history.step_finished(
+            claim=run.claim, worker_id=self.worker_id, step_id=history_id,
+            result=runners.StepResult(
+                status="skipped", exit_code=None, started_at=now, ended_at=now, duration=0.0,
+                log_path="", output="", output_tail=SKIPPED_NOTES[why],
+            ),
+        )
 
     def _reused(self, run: "_Run", step: StepConfig) -> tuple[str, str] | None:
         """(what was recorded, the output to reuse) when the step must not run again: a done
