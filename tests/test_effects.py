@@ -344,7 +344,7 @@ class FakeMonotonic:
 def test_a_checkpoint_rides_a_heartbeat_and_the_next_attempt_starts_from_it_resumed(tmp_path, clock):
     job = enqueue()
     executor = make_executor(tmp_path, steps=CHECKPOINT_STEPS)
-    spec = WorkerSpec(worker_id="w1", pool=None, labels=(), capabilities=("apiary.workflow", "runner:shell"), capacity=1)
+    spec = WorkerSpec(worker_id="w1", pool=None, labels=(), capabilities=("apiary.hooks", "apiary.workflow", "runner:shell"), capacity=1)
     runtime = WorkerRuntime(
         transport=InProcessTransport(worker_id="w1"), spec=spec, executor=executor, claim_wait=0.0,
         monotonic=FakeMonotonic(), grace=GRACE,

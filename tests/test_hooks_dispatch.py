@@ -86,13 +86,15 @@ def test_a_success_enqueues_exactly_the_success_hook_job_with_the_instance_jobs_
     [hook] = hook_jobs()
     assert hook.key == f"{enqueue_key(task, 'fix')}:hook:succeeded"
     assert hook.state == JobState.QUEUED
-    same = ("project", "source", "agent", "runner", "pool", "requirements_id", "affinity_key", "priority", "max_attempts")
+    # The same routing; its requirement set differs by apiary.hooks alone (asserted below).
+    same = ("project", "source", "agent", "runner", "pool", "affinity_key", "priority", "max_attempts")
     assert {f: getattr(hook, f) for f in same} == {f: getattr(job, f) for f in same}
     assert (hook.project, hook.agent, hook.runner, hook.pool, hook.affinity_key) == (
         "hooks", "engineer", "shell", "build", f"task:{task.pk}",
     )  # fmt: skip
     assert (hook.priority, hook.retry_max_attempts, hook.retry_backoff, hook.retry_backoff_max) == (3, 2, 5.0, 60.0)
-    assert sorted(hook.requirements.capabilities) == ["apiary.workflow", "docker", "runner:shell"]
+    # An old worker (no apiary.hooks) would run a hook job as its workflow: it may not claim one.
+    assert sorted(hook.requirements.capabilities) == ["apiary.hooks", "apiary.workflow", "docker", "runner:shell"]
     assert hook.requirements.labels == ["linux"]
     assert hook.follow_ups == {}  # a hook has no hooks
 

@@ -33,6 +33,9 @@ from .sources import Item
 # Every workflow job requires these of its worker (DESIGN §3.3): a worker that
 # runs workflows at all, and the job's runner adapter.
 WORKFLOW_CAPABILITY = "apiary.workflow"
+# Required of a worker for hook jobs: a worker from before hooks existed would read a hook job as
+# its workflow and run the workflow's steps again. Only workers that know hook jobs advertise it.
+HOOKS_CAPABILITY = "apiary.hooks"
 RUNNER_CAPABILITY = "runner:{adapter}"
 
 log = logging.getLogger("apiary.dispatch")
@@ -91,9 +94,11 @@ def affinity_key(task_id: int) -> str:
 
 
 def worker_capabilities(adapters, extra=()) -> tuple[str, ...]:
-    """What a worker advertises: the workflow capability, `runner:<adapter>` for
-    every adapter whose executable it finds, and any of its own."""
-    return tuple(sorted({WORKFLOW_CAPABILITY, *(RUNNER_CAPABILITY.format(adapter=a) for a in adapters), *extra}))
+    """What a worker advertises: the workflow and hooks capabilities, `runner:<adapter>`
+    for every adapter whose executable it finds, and any of its own."""
+    return tuple(
+        sorted({WORKFLOW_CAPABILITY, HOOKS_CAPABILITY, *(RUNNER_CAPABILITY.format(adapter=a) for a in adapters), *extra})
+    )
 
 
 @transaction.atomic(durable=True)
@@ -187,6 +192,7 @@ def _hook_follow_ups(
             parent_instance_id=parent_instance_id,
         )
         spec = {"key": hook, "payload": hook_payload, **routing, "retry": dataclasses.asdict(workflow.retry)}
+        spec["capabilities"] = [*routing["capabilities"], HOOKS_CAPABILITY]
         follow_ups[outcome] = [spec]
     return follow_ups
 

@@ -25,6 +25,7 @@ from .. import jsonlimits
 from ..clock import Clock
 from ..exceptions import InvalidRequest
 from ..models import JobRecord, RecordState
+from ..text import clean
 from ..types import (
     CHECKPOINT_PREFIX,
     MAX_CHECKPOINT_BYTES,
@@ -59,7 +60,7 @@ def _checked(key: str, state: str, value: dict | None) -> dict:
         jsonlimits.check(value, max_bytes=MAX_VALUE_BYTES)
     except jsonlimits.JSONLimitError as exc:
         raise InvalidRequest(f"value must be JSON of at most {MAX_VALUE_BYTES} bytes: {exc}", field="value") from None
-    return value
+    return clean(value)  # NUL and lone surrogates: PostgreSQL's jsonb refuses them
 
 
 def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Record:
@@ -139,7 +140,7 @@ def attempt_heartbeat_with_checkpoint(
     now = now_of(clock)
     with connection.cursor() as cursor:
         fenced, beat = attempts.extend_lease(cursor, attempt_id, token, now, acting_as)
-    _write(fenced, key, RecordState.STARTED, {"content": content}, now)
+    _write(fenced, key, RecordState.STARTED, {"content": clean(content)}, now)
     return beat
 
 

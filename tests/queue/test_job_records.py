@@ -106,3 +106,12 @@ def test_records_outlive_the_attempt_that_wrote_them(clock):
         }
     finally:
         conf.configure(conf.QueueConfig())
+
+
+def test_nul_and_lone_surrogates_are_stored_as_replacement_characters(clock):
+    """PostgreSQL's jsonb refuses NUL: a checkpoint or a spawn line with one was a DataError."""
+    job, _, c = held(clock)
+    record = write(c, "spawn:split", "done", {"children": [{"title": "a\x00b\ud800"}]})
+    assert record.value == {"children": [{"title": "a\ufffdb\ufffd"}]}
+    services.attempt_heartbeat_with_checkpoint(attempt_id=c.attempt_id, token=c.token, step="three", content="x\x00y")
+    assert records_of_job(job.pk)["checkpoint:three"].value == {"content": "x\ufffdy"}
