@@ -148,10 +148,13 @@ def journal_of(job: Job) -> dict:
 
 
 def test_a_re_attempt_in_the_same_workspace_skips_recorded_steps_and_reuses_their_outputs(tmp_path, clock):
+    """The first attempt is interrupted (the runtime stops it: a self-fence, a lost lease) after
+    `pub`; the next one, on the same worker and workspace, resumes at `last`."""
     job = enqueue()
-    (tmp_path / "counts" / "last-fails").touch()
-    first = Attempt().run(make_executor(tmp_path))
-    assert first.outcome == "failed" and "step last" in first.error
+    interrupted = Attempt()
+    history = History(on_finished=lambda step_id: step_id == "pub" and interrupted.cancel.set())
+    first = interrupted.run(make_executor(tmp_path, history=history))
+    assert first.outcome == "cancelled"
     records = journal_of(job)
     assert records["step:plan"] == (
         "done", {"output": "plan-output", "worker_id": "w1", "workspace": str(workspace(tmp_path, job))}
@@ -160,7 +163,6 @@ def test_a_re_attempt_in_the_same_workspace_skips_recorded_steps_and_reuses_thei
     assert "step:last" not in records
 
     expire(clock)
-    (tmp_path / "counts" / "last-fails").unlink()
     second = Attempt().run(make_executor(tmp_path, history=DatabaseHistory()))  # the embedded worker's history
     assert second.outcome == "succeeded", second.error
     assert runs(tmp_path, "plan") == ["ran"] and len(runs(tmp_path, "pub")) == 1  # only the unrecorded step ran
@@ -177,6 +179,25 @@ def test_a_re_attempt_in_the_same_workspace_skips_recorded_steps_and_reuses_thei
     inline = StepRunInline(WorkflowInstance, admin.site)
     assert [inline.note(r) for r in rows.order_by("id")] == [SKIPPED_NOTES["step"], SKIPPED_NOTES["publish"], ""]
     assert (workspace(tmp_path, job) / "last.out").read_text() == "https://example/pr/1/plan-output"
+
+
+def test_a_retry_after_a_failed_run_starts_over_but_never_runs_a_done_publish_again(tmp_path, clock):
+    """A run that finished failed is not interrupted work: its retry, even on the same worker and
+    workspace, runs every step again, except the done publish (the issue: only an attempt that
+    ended without finishing resumes)."""
+    job = enqueue()
+    (tmp_path / "counts" / "last-fails").touch()
+    first = Attempt().run(make_executor(tmp_path))
+    assert first.outcome == "failed" and "step last" in first.error
+    assert journal_of(job)["retry-after"] == ("started", {"attempt": 1})
+    expire(clock)
+    (tmp_path / "counts" / "last-fails").unlink()
+    second = Attempt().run(make_executor(tmp_path))
+    assert second.outcome == "succeeded", second.error
+    assert [(s["id"], s["status"]) for s in second.summary["steps"]] == [
+        ("plan", "succeeded"), ("pub", "skipped"), ("last", "succeeded")
+    ]
+    assert runs(tmp_path, "plan") == ["ran", "ran"] and len(runs(tmp_path, "pub")) == 1
 
 
 def test_a_re_attempt_on_another_worker_starts_over_but_never_runs_a_done_publish_again(tmp_path, clock):
@@ -312,7 +333,7 @@ def test_a_bad_spawn_line_fails_the_step_naming_the_line_and_spawns_nothing(tmp_
     steps = {"split": {"run": f"cat {tmp_path / 'lines'}", "spawn": True}}
     outcome = Attempt().run(make_executor(tmp_path, steps=steps))
     assert outcome.outcome == "failed" and error in outcome.error, outcome.error
-    assert journal_of(job) == {}
+    assert journal_of(job) == {"retry-after": ("started", {"attempt": 1})}  # nothing spawned; a retry starts over
 
 
 def test_a_long_output_is_cut_to_fit_one_record_with_a_note():

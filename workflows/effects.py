@@ -23,6 +23,7 @@ from jobqueue.types import MAX_RECORD_VALUE_BYTES, WORKER_ID_PATTERN
 from . import payload
 
 STEP, PUBLISH, SPAWN = "step:", "publish:", "spawn:"
+RETRY_AFTER = "retry-after"  # started {"attempt": N}: attempt N finished failed; step records before it are not resumed
 MAX_CHILDREN = 100
 MAX_CHILD_TITLE = 500  # characters
 CHILD_KEYS = ("id", "title", "body", "payload", "workflows")

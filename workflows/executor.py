@@ -207,6 +207,12 @@ class Executor:
         except JournalError as exc:
             # Stale: the runtime discards this result (the journal told it); the rest runs nothing more.
             outcome, error = "failed", str(exc)
+        else:
+            if outcome == "failed" and journal is not None:
+                # A failed run is finished, not interrupted: a retry starts over (done publishes and
+                # spawns stay done). Only an attempt that ended without finishing resumes.
+                with contextlib.suppress(JournalError):
+                    journal.record(effects.RETRY_AFTER, "started", {"attempt": claim.attempt_number})
         summary = {"steps": steps_summary, "worker_id": self.worker_id, "attempt": claim.attempt_number}
         return Outcome(outcome, summary, error)
 
@@ -295,7 +301,8 @@ class Executor:
 
     def _reused(self, run: "_Run", step: StepConfig) -> tuple[str, str] | None:
         """(what was recorded, the output to reuse) when the step must not run again: a done
-        publish or spawn (anywhere), or a success this worker recorded in this workspace."""
+        publish or spawn (anywhere), or a success this worker recorded in this workspace since
+        the last attempt that finished failed (a retry after a failure starts over)."""
         records = run.records
         done = {key: r for key, r in records.items() if r.state == "done"}
         recorded_step = done.get(effects.STEP + step.id)
@@ -303,9 +310,12 @@ class Executor:
             return "publish", str(done[effects.PUBLISH + step.id].value.get("output", ""))
         if step.spawn and effects.SPAWN + step.id in done:
             return "spawn", str(recorded_step.value.get("output", "")) if recorded_step else ""
+        retry_after = records.get(effects.RETRY_AFTER)
+        failed_up_to = retry_after.value.get("attempt", 0) if retry_after is not None else 0
         if recorded_step is not None and (
             recorded_step.value.get("worker_id") == self.worker_id
             and recorded_step.value.get("workspace") == str(run.workspace)
+            and recorded_step.attempt_number > failed_up_to  # not from before a failed run
         ):
             return "step", str(recorded_step.value.get("output", ""))
         return None
