@@ -445,3 +445,14 @@ def test_a_hook_step_id_leaves_room_for_its_history_id(tmp_path):
     path.write_text(path.read_text().replace("[{run: \"exit 4\"}]", "[{id: " + "h" * 114 + ", run: \"exit 4\"}]"))
     with pytest.raises(ConfigError, match=r"hooks.on_failure\[0\].id: a hook step id is at most 113 characters"):
         load(path)
+
+
+def test_without_a_journal_a_publish_step_is_refused_and_plain_steps_run(tmp_path, clock):
+    """A control plane from before effect steps lists no `journal` feature: the runtime gives the
+    executor no journal, and a publish (or spawn) step then fails, saying so, instead of running
+    unrecorded (and again on every retry)."""
+    enqueue()
+    [c] = claim(register("w1"))
+    outcome = make_executor(tmp_path).run(c, threading.Event(), grace=GRACE, journal=None)
+    assert outcome.outcome == "failed" and "upgrade the control plane" in outcome.error
+    assert runs(tmp_path, "plan") == ["ran"] and runs(tmp_path, "pub") == []

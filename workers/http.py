@@ -238,6 +238,7 @@ class HttpTransport:
             lease_duration=float(answer["lease_duration"]),
             heartbeat_interval=float(answer["heartbeat_interval"]),
             worker_timeout=float(answer["worker_timeout"]),
+            features=frozenset(f for f in answer.get("features") or () if isinstance(f, str)),
         )
 
     def _register(self, spec: WorkerSpec) -> dict:

@@ -271,7 +271,9 @@ class WorkerRuntime:
                 claim.job_id, claim.attempt_id, claim.attempt_number, claim.agent, claim.runner,
             )
             job = ActiveJob(claim=claim, acked_at=acked, next_heartbeat=acked + self.beat_every)
-            job.journal = self._journal(job)
+            # A control plane from before the journal (no `journal` feature) keeps none: the executor
+            # then refuses publish and spawn steps and runs the rest as before.
+            job.journal = self._journal(job) if "journal" in self.registration.features else None
             job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"job-{claim.job_id}", daemon=True)
             with self.lock:
                 self.active[claim.attempt_id] = job

@@ -37,6 +37,7 @@ class Registration:
     lease_duration: float
     heartbeat_interval: float
     worker_timeout: float
+    features: frozenset[str] = frozenset({"journal"})  # what the control plane serves beyond protocol 1's first version
 
 
 @dataclasses.dataclass(frozen=True)

@@ -235,6 +235,13 @@ class Executor:
         if "APIARY_PROMPT" in extra_env:  # the shell adapter's copy; stdin has the whole prompt
             extra_env = {**extra_env, "APIARY_PROMPT": _capped(extra_env["APIARY_PROMPT"], whole="stdin")}
         effect_env = {"APIARY_STEP_ID": step.id, **self._checkpoint_prepared(run, step, checkpoint)}
+        if (step.publish or step.spawn) and run.journal is None:
+            error = (
+                f"step {step.id} is a {'publish' if step.publish else 'spawn'} step and the control plane keeps no "
+                "journal for it (it predates effect steps): upgrade the control plane"
+            )
+            run.summary.append({"id": history_id, "status": "failed", "error": error})
+            return "failed", error
         if isinstance(run.job, payload.WorkflowJob) and (step.publish or step.spawn):
             effect_env["APIARY_EFFECT_KEY"] = payload.step_effect_key(
                 project=self.config.project, job=run.job, step_id=step.id

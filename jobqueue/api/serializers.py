@@ -249,6 +249,11 @@ class RegisterResponse(serializers.Serializer):
     lease_duration = serializers.FloatField()
     heartbeat_interval = serializers.FloatField()
     worker_timeout = serializers.FloatField()
+    features = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="additions to protocol 1 this control plane serves: `journal` (attempts/{id}/records, "
+        "records/list, the heartbeat's checkpoint); absent on a control plane from before them",
+    )
     worker = WorkerView()
 
 

@@ -30,6 +30,9 @@ from .schema import AUTHENTICATE_HEADER, PROTOCOL_HEADER, responses
 from .throttle import claims as claim_budget
 
 PROTOCOL_VERSION = 1
+# What this control plane offers beyond protocol 1's first version; a worker uses only what is listed
+# (a control plane from before them lists nothing, and its worker then runs no publish or spawn step).
+FEATURES = ("journal",)
 DEFER_CLAIM = "apiary.defer_claim"  # request.META flag: ClaimView validates, returns a Deferred
 
 
@@ -140,6 +143,7 @@ class RegisterView(ProtocolView):
             "lease_duration": cfg.lease_duration,
             "heartbeat_interval": cfg.heartbeat_interval,
             "worker_timeout": cfg.worker_timeout,
+            "features": list(FEATURES),
             "worker": worker,
         }
         return Response(s.RegisterResponse(answer).data)
