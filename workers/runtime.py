@@ -53,6 +53,7 @@ class ActiveJob:
     discard: str | None = None  # why the result must not be sent
     thread: threading.Thread | None = None
     outbox_id: int | None = None  # the finish's row in the worker's outbox, once written
+    finishing: bool = False  # its finish is being sent: a stale heartbeat answer may just mean it landed
 
 
 class WorkerRuntime:
@@ -402,6 +403,8 @@ class WorkerRuntime:
                 job.next_heartbeat = now + min(1.0, self.beat_every / 2)
             elif verdict in FATAL:
                 self._stop_for(verdict, exc)
+            elif job.finishing:  # the finish committed before this heartbeat: nothing to stop
+                log.debug("heartbeat of attempt %s answered stale while its finish is sent", job.claim.attempt_id)
             else:
                 self._discard(job, f"the control plane says the attempt is stale: {exc.message}")
             return
@@ -506,6 +509,7 @@ class WorkerRuntime:
             job.outbox_id = self.outbox.record_finish(
                 claim=claim, outcome=outcome.outcome, summary=outcome.summary, error=outcome.error
             )
+        job.finishing = True
         backoff = Backoff(**FINISH_BACKOFF, rand=self.rand)
         while True:
             try:
