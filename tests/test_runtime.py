@@ -253,6 +253,36 @@ def test_superseded_session_is_fatal(clock):
     wait_for(executor.cancelled.is_set, timeout=WAIT, what="the executor to see the cancel")
 
 
+class SlowFinishTransport(FlakyTransport):
+    """The finish commits, then its answer is held until released."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.committed = threading.Event()
+        self.answer = threading.Event()
+
+    def finish(self, **kwargs):
+        state = super().finish(**kwargs)
+        self.committed.set()
+        self.answer.wait(WAIT)
+        return state
+
+
+def test_a_heartbeat_answered_stale_because_the_finish_landed_discards_nothing(clock, caplog):
+    job = enqueue()
+    transport = SlowFinishTransport(worker_id="w1")
+    runtime = make_runtime(ScriptedExecutor(), transport=transport)
+    runtime.claim_once()
+    wait_for(transport.committed.is_set, timeout=WAIT, what="the finish to commit")
+    runtime.monotonic.now += BEAT
+    with caplog.at_level("WARNING", logger="apiary.worker"):
+        runtime.heartbeat_once()  # the attempt has ended: the control plane answers stale
+        transport.answer.set()
+        runtime.reap(wait=True)
+    assert job_state(job) == JobState.SUCCEEDED and runtime.finished_count == 1
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+
 def test_finish_is_retried_until_acknowledged(clock):
     job = enqueue()
     transport = FlakyTransport(worker_id="w1")

@@ -31,16 +31,14 @@ class CredentialElsewhere(Exception):
 
 
 def _write_private(path: Path, text: str) -> None:
+    """`text` into `path` (0600) atomically: a draft beside it, synced, renamed over it."""
     private.private_dir(path.parent)
     draft = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, private.FILE_MODE)
-        try:
-            os.write(fd, text.encode("ascii"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.chmod(draft, private.FILE_MODE)  # whatever the umask
+        with private.open_private(draft, "w", encoding="ascii") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(draft, path)
     finally:
         draft.unlink(missing_ok=True)

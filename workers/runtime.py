@@ -55,6 +55,7 @@ class ActiveJob:
     thread: threading.Thread | None = None
     outbox_id: int | None = None  # the finish's row in the worker's outbox, once written
     journal: Journal | None = None  # what the executor records through; its checkpoint rides the heartbeats
+    finishing: bool = False  # its finish is being sent: a stale heartbeat answer may just mean it landed
 
 
 class WorkerRuntime:
@@ -429,6 +430,8 @@ class WorkerRuntime:
                 log.warning("heartbeat of attempt %s: checkpoint refused (%s); beating without it", job.claim.attempt_id, exc)
                 job.journal.checkpoint_sent(checkpoint)
                 job.next_heartbeat = now
+            elif job.finishing:  # the finish committed before this heartbeat: nothing to stop
+                log.debug("heartbeat of attempt %s answered stale while its finish is sent", job.claim.attempt_id)
             else:
                 self._discard(job, f"the control plane says the attempt is stale: {exc.message}")
             return
@@ -535,6 +538,7 @@ class WorkerRuntime:
             job.outbox_id = self.outbox.record_finish(
                 claim=claim, outcome=outcome.outcome, summary=outcome.summary, error=outcome.error
             )
+        job.finishing = True
         backoff = Backoff(**FINISH_BACKOFF, rand=self.rand)
         while True:
             try:

@@ -27,12 +27,12 @@ from ..exceptions import (
     EnrollmentClosed,
     InvalidRequest,
     NotFound,
-    WorkerMismatch,
 )
 from ..models import Attempt, AttemptState, Worker, WorkerCredential
 from ..types import CREDENTIAL_PREFIX, WORKER_ID_PATTERN, WORKER_ID_RE
 from .attempts import expire
 from .common import hash_token, now_of, postgres, service
+from .identity import acting_as as check_acting_as
 from .identity import refuse_reserved
 from .workers import register
 
@@ -199,11 +199,7 @@ def worker_reregister(
     expired). The credential's `last_used_at` says, during a rotation,
     whether the old one is still in use."""
     worker_id = registration["worker_id"]
-    if acting_as != worker_id:
-        raise WorkerMismatch(
-            f"this credential belongs to worker {acting_as!r}; it cannot register worker {worker_id!r}",
-            worker_id=worker_id,
-        )
+    check_acting_as(worker_id, acting_as)
     refuse_reserved(worker_id)
     now = now_of(clock)
     _lock_id(worker_id)
