@@ -439,6 +439,43 @@ def test_a_hook_the_config_no_longer_has_runs_nothing(tmp_path):
     assert (outcome.outcome, outcome.summary["steps"]) == ("succeeded", [])
 
 
+def hook_job(outcome: str = "succeeded") -> Job:
+    """A hook job as dispatch makes it (its own job, journal and attempts)."""
+    job = enqueue()
+    hook = {"outcome": outcome, "effect_key": "hookkey123"}
+    Job.objects.filter(pk=job.pk).update(payload={**job.payload, "hook": hook})
+    return job
+
+
+def test_a_hook_step_done_on_a_worker_that_died_never_runs_again_anywhere(tmp_path, clock):
+    """Each hook step is recorded like a publish: the attempt that dies after `tell` succeeded is
+    followed, on another worker, by one that skips it and runs only `hold`."""
+    path = write_config(tmp_path, {"plan": {"run": "true"}})
+    path.write_text(path.read_text().replace(
+        "      on_success: [",
+        '      on_success: [{id: tell, run: \'echo "$APIARY_EFFECT_KEY|$${APIARY_EFFECT_RETRY:-}" >> "$COUNTS/tell"\'},'
+        ' {id: hold, run: \'echo ran >> "$COUNTS/hold"\'}, ',
+    ))
+    config = load(path)
+    job = hook_job()
+    interrupted = Attempt("w1")
+    history = History(on_finished=lambda step_id: step_id == "hook:succeeded:tell" and interrupted.cancel.set())
+    executor = Executor(config=config, worker_id="w1", history=history, groups=ProcessGroups(tmp_path / "run" / "w1"))
+    assert interrupted.run(executor).outcome == "cancelled"
+    assert journal_of(job)["publish:tell"] == ("done", {"output": ""})
+    expire(clock)
+
+    history = History()
+    executor = Executor(config=config, worker_id="w2", history=history, groups=ProcessGroups(tmp_path / "run" / "w2"))
+    second = Attempt("w2").run(executor)
+    assert second.outcome == "succeeded", second.error
+    assert history.rows == {"hook:succeeded:tell": "skipped", "hook:succeeded:hook-3": "succeeded",
+                            "hook:succeeded:hold": "succeeded"}
+    assert history.notes["hook:succeeded:tell"] == SKIPPED_NOTES["hook"]
+    assert runs(tmp_path, "tell") == ["hookkey123|"]  # once in all, though the second attempt ran elsewhere
+    assert runs(tmp_path, "hold") == ["ran"]  # the first attempt was stopped before it
+
+
 def test_a_hook_step_id_leaves_room_for_its_history_id(tmp_path):
     steps = {"plan": {"run": "true"}}
     path = write_config(tmp_path, steps)

@@ -12,7 +12,8 @@ Keys of a workflow job's journal (jobqueue/services/records.py says the rules):
   the control plane turns into tasks;
 * `checkpoint:<id>` (kept by heartbeats) `{content}`: the step's checkpoint file.
 
-A hook job has a journal of its own, with the same `step:` and `checkpoint:` keys.
+A hook job has a journal of its own, with the same keys: every hook step is
+recorded as a publish is (`publish:<id>`), so none runs twice to success.
 """
 
 import json

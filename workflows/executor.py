@@ -122,6 +122,7 @@ SKIPPED_NOTES = {
     "step": "apiary: skipped, its success was recorded by an earlier attempt in this workspace; output reused",
     "publish": "apiary: skipped, this publish was recorded done by an earlier attempt; output reused",
     "spawn": "apiary: skipped, this spawn's children were recorded by an earlier attempt",
+    "hook": "apiary: skipped, this hook step was recorded done by an earlier attempt; output reused",
 }
 
 CHECKPOINT_DIR = ".apiary-checkpoint"  # in the workspace: a step's APIARY_CHECKPOINT file
@@ -130,8 +131,8 @@ CHECKPOINT_DIR = ".apiary-checkpoint"  # in the workspace: a step's APIARY_CHECK
 class Executor:
     """Runs a workflow job's steps, or a hook job's, through the job's journal
     (workers/journal.py; the keys are workflows/effects.py's): a step whose
-    success this worker recorded in this workspace is skipped, a done publish
-    or spawn is never run again, each step's checkpoint file is pre-filled from
+    success this worker recorded in this workspace is skipped, a done publish,
+    hook step or spawn is never run again, each step's checkpoint file is pre-filled from
     the journal. Without a journal (a direct call) nothing is read or recorded."""
 
     def __init__(self, *, config: Config, worker_id: str, history: History, groups: ProcessGroups):
@@ -246,11 +247,12 @@ class Executor:
             effect_env["APIARY_EFFECT_KEY"] = payload.step_effect_key(
                 project=self.config.project, job=run.job, step_id=step.id
             )
-        if step.publish and run.journal is not None:
+        once = self._once(run, step)
+        if once is not None and run.journal is not None:
             # Fenced: a stale attempt records nothing (JournalError), so it never runs the command.
             started = run.journal.record(effects.PUBLISH + step.id, "started", {})
             if started.already_done:  # another attempt finished it meanwhile
-                self._skipped(run, step, history_id, "publish", str(started.value.get("output", "")))
+                self._skipped(run, step, history_id, once, str(started.value.get("output", "")))
                 return None
             if started.started_earlier:  # its end is unknown: run again, and say so
                 effect_env["APIARY_EFFECT_RETRY"] = "1"
@@ -266,7 +268,7 @@ class Executor:
                     result = dataclasses.replace(result, status="failed")
                 else:
                     self._record(run, effects.SPAWN + step.id, {"children": children})
-            if step.publish:
+            if once is not None:
                 self._record(run, effects.PUBLISH + step.id, effects.with_output({}, result.output))
             if result.status == "succeeded":
                 value = {"worker_id": self.worker_id, "workspace": str(run.workspace)}
@@ -308,13 +310,14 @@ class Executor:
 
     def _reused(self, run: "_Run", step: StepConfig) -> tuple[str, str] | None:
         """(what was recorded, the output to reuse) when the step must not run again: a done
-        publish or spawn (anywhere), or a success this worker recorded in this workspace since
+        publish, hook step or spawn (anywhere), or a success this worker recorded in this workspace since
         the last attempt that finished failed (a retry after a failure starts over)."""
         records = run.records
         done = {key: r for key, r in records.items() if r.state == "done"}
         recorded_step = done.get(effects.STEP + step.id)
-        if step.publish and effects.PUBLISH + step.id in done:
-            return "publish", str(done[effects.PUBLISH + step.id].value.get("output", ""))
+        once = self._once(run, step)
+        if once is not None and effects.PUBLISH + step.id in done:
+            return once, str(done[effects.PUBLISH + step.id].value.get("output", ""))
         if step.spawn and effects.SPAWN + step.id in done:
             return "spawn", str(recorded_step.value.get("output", "")) if recorded_step else ""
         retry_after = records.get(effects.RETRY_AFTER)
@@ -326,6 +329,14 @@ class Executor:
         ):
             return "step", str(recorded_step.value.get("output", ""))
         return None
+
+    @staticmethod
+    def _once(run: "_Run", step: StepConfig) -> str | None:
+        """"publish" or "hook" for a step whose success must happen at most once (a publish step,
+        every step of a hook job: both are recorded as `publish:<id>`), else None."""
+        if isinstance(run.job, payload.HookJob):
+            return "hook"
+        return "publish" if step.publish else None
 
     def _checkpoint_prepared(self, run: "_Run", step: StepConfig, path: Path) -> dict[str, str]:
         """APIARY_CHECKPOINT (and APIARY_RESUMED=1 when the journal had content for it): the file

@@ -123,6 +123,17 @@ def effect_workflows(config: dict) -> None:
             "steps": [{"id": "work", "run": sh("mark work"), "timeout": "120s"}],
             "hooks": {"on_success": [{"id": "tell", "run": sh("mark hook\nexit 3"), "timeout": "120s"}]},
         },
+        {
+            "id": "fx-hookkill",
+            "agent": "anyone",
+            "steps": [{"id": "work", "run": sh("mark work"), "timeout": "120s"}],
+            "hooks": {
+                "on_success": [
+                    {"id": "tell", "run": sh("mark hook"), "timeout": "120s"},
+                    {"id": "hold", "run": sh("mark hold\ngate hold"), "timeout": "120s"},
+                ],
+            },
+        },
         {"id": "fx-resume", "agent": "sticky", "steps": RESUME_STEPS},
     ]
 
@@ -432,6 +443,35 @@ def test_hook_runs_once_across_a_control_plane_sigkill_and_restart(cp, workers):
     assert (run["outcome"], run["worker"]) == ("succeeded", "hooker") and run["key"]
     assert marks(cp, title, "hook-failure") == []
     assert len(marks(cp, title, "work")) == 1
+
+
+def test_hook_steps_run_once_to_success_across_a_worker_kill(cp, workers):
+    """The hook job's worker dies in its second step: the reclaim, on the other worker, does not
+    run the first (recorded done) again, and runs the second again with its key and retry set."""
+    title = "hookkill-1"
+    procs = pair(workers, "hookkill")
+    job = add(cp, title, "fx-hookkill")
+    wait_for(lambda: marks(cp, title, "hold"), what="the hook's second step to start",
+             alive=tuple(w.proc for w in procs.values()), context=context_of(cp, *procs.values()))
+    (hook,) = hook_jobs(cp, job["instance_id"])
+    victim = procs[worker_of(cp, hook["id"], 1)]
+    survivor = next(w for w in procs.values() if w is not victim)
+    crash(victim)
+
+    wait_for(lambda: len(marks(cp, title, "hold")) == 2, what="the hook's second step to run again",
+             alive=(survivor.proc,), context=context_of(cp, survivor))
+    gate(cp, title, "hold")
+    assert wait_for(lambda: ended(cp, hook["id"]), what="the hook job to end", alive=(survivor.proc,),
+                    context=context_of(cp, survivor)) == "succeeded"
+    assert [(a["worker_id"], a["state"]) for a in cp.attempts(hook["id"])] == [
+        (victim.worker_id, "expired"), (survivor.worker_id, "succeeded")
+    ]
+    (told,) = marks(cp, title, "hook")  # once in all
+    assert (told["worker"], told["outcome"]) == (victim.worker_id, "succeeded")
+    first, second = marks(cp, title, "hold")
+    assert (first["worker"], second["worker"]) == (victim.worker_id, survivor.worker_id)
+    assert first["key"] == second["key"] == told["key"] and (first["retry"], second["retry"]) == ("", "1")
+    assert job_state(cp, job["id"]) == "succeeded" and len(marks(cp, title, "work")) == 1
 
 
 def test_failing_hook_is_retried_and_shown_failed_without_changing_the_instance(cp, workers):
