@@ -294,6 +294,9 @@ class JobRecord(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["job", "key"], name="jobrecord_job_key_unique")]
+        # Done records by key, across jobs: how a layer above finds the ones under a key prefix
+        # (a range scan, e.g. the control plane's pending spawns) without reading every journal.
+        indexes = [models.Index(fields=["key"], condition=Q(state="done"), name="jobrecord_done_key")]
 
     def __str__(self) -> str:
         return f"job {self.job_id} {self.key} [{self.state}]"

@@ -224,3 +224,28 @@ def test_the_admin_shows_a_childs_parent_and_a_parents_children(client, control,
     assert "spawned instances" in parent_page.lower() and "big.md/split/split/a" in parent_page
     changelist = page()
     assert "parent" in changelist.lower() and str(instance) in changelist
+
+
+def test_a_database_failure_while_storing_a_child_leaves_the_whole_record_for_the_next_call(
+    control, parent, monkeypatch
+):
+    """Only a child's own bad data skips it; a locked or lost database is not the child's fault,
+    so nothing of the record is marked done and the next call creates every child."""
+    from django.db import OperationalError
+
+    instance, c = parent
+    spawn(c, [{"id": "a", "title": "A"}, {"id": "b", "title": "B"}])
+    real = spawning._task_of
+    calls = []
+
+    def locked_on_b(*, key, **kwargs):
+        calls.append(key)
+        if key.endswith("/b") and len(calls) == 2:
+            raise OperationalError("database is locked")
+        return real(key=key, **kwargs)
+
+    monkeypatch.setattr(spawning, "_task_of", locked_on_b)
+    assert control.materialise() == 0
+    assert spawned_tasks() == [] and not Spawn.objects.exists()
+    assert control.materialise() == 1
+    assert [t.item_key for t in spawned_tasks()] == ["big.md/split/split/a", "big.md/split/split/b"]

@@ -125,7 +125,6 @@ SKIPPED_NOTES = {
     "hook": "apiary: skipped, this hook step was recorded done by an earlier attempt; output reused",
 }
 
-CHECKPOINT_DIR = ".apiary-checkpoint"  # in the workspace: a step's APIARY_CHECKPOINT file
 
 
 class Executor:
@@ -165,7 +164,10 @@ class Executor:
             logs = inside(state, "logs", str(job.instance_id))
             task_file = inside(logs, f"task-{_file_name(prefix)}{claim.attempt_number}.json")
             step_logs = {step.id: inside(logs, f"{_file_name(prefix + step.id)}.log") for step in steps}
-            checkpoints = {step.id: inside(workspace, CHECKPOINT_DIR, _file_name(prefix + step.id)) for step in steps}
+            # Per instance (two workflows of a task share its workspace) and outside the workspace (a git
+            # checkout there would see it as untracked).
+            checkpoint_dir = inside(state, "checkpoints", str(job.instance_id))
+            checkpoints = {step.id: inside(checkpoint_dir, _file_name(prefix + step.id)) for step in steps}
         except PathOutside as exc:
             return Outcome("failed", {}, f"job {claim.job_id}: refused a path from its claim: {exc}")
         workspace.mkdir(parents=True, exist_ok=True)

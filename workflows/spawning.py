@@ -36,7 +36,7 @@ import hashlib
 import json
 import logging
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, DataError, IntegrityError, transaction
 from django.db.models import Exists, OuterRef
 
 from jobqueue import services as queue
@@ -60,7 +60,8 @@ def _pending():
     """Done spawn records no Spawn row marks, oldest first."""
     taken = Spawn.objects.filter(job_id=OuterRef("job_id"), key=OuterRef("key"))
     return (
-        JobRecord.objects.filter(state=RecordState.DONE, key__startswith=SPAWN_PREFIX)
+        # A key range rather than LIKE, so both databases use jobrecord_done_key (":" + 1 is ";").
+        JobRecord.objects.filter(state=RecordState.DONE, key__gte=SPAWN_PREFIX, key__lt=SPAWN_PREFIX[:-1] + ";")
         .exclude(Exists(taken))
         .order_by("id")
     )
@@ -177,7 +178,8 @@ def _child(*, config: Config, parent: WorkflowInstance, step: str, child, clock:
                         "spawn: job %s instance %s workflow %s task %s (%s:%s), child of instance %s",
                         job.pk, instance.pk, workflow_id, task.pk, task.source, task.item_key, parent.pk,
                     )  # fmt: skip
-    except (DatabaseError, ValueError) as exc:  # payload.PayloadError is a ValueError
+    except (IntegrityError, DataError, ValueError) as exc:  # this child's data; payload.PayloadError is a ValueError
+        # Anything else (a locked or lost database) rolls the whole record back for the next call.
         log.error("%s: skipping child %s: cannot store it: %s", where, child["id"], exc)
         return 0
     return 1

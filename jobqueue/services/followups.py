@@ -10,13 +10,15 @@ claimed, fenced and retried like any job. The queue reads nothing of them
 but their fields; the workflow layer uses them for hooks.
 """
 
+import datetime as dt
 from collections.abc import Mapping
 
 from .. import sql
+from ..clock import FrozenClock
 from ..exceptions import InvalidRequest
 from ..models import TERMINAL_JOB_STATES
 from ..types import Retry
-from .common import event, now_of
+from .common import event
 
 SPEC_FIELDS = frozenset(
     {"key", "payload", "project", "source", "agent", "runner", "pool", "labels", "capabilities", "affinity_key",
@@ -48,9 +50,9 @@ def checked_follow_ups(follow_ups: Mapping | None) -> dict:
     return out
 
 
-def enqueue_follow_ups(cursor, job_id: int, state: str, follow_ups=None) -> list[int]:
+def enqueue_follow_ups(cursor, job_id: int, state: str, follow_ups=None, *, now: dt.datetime) -> list[int]:
     """Enqueue job `job_id`'s follow-ups for `state` (read here unless given),
-    inside the caller's transaction; their ids."""
+    inside the caller's transaction, at the settling service's `now`; their ids."""
     from .jobs import job_enqueue_in  # jobs imports transitions, which calls this
 
     if follow_ups is None:
@@ -61,9 +63,9 @@ def enqueue_follow_ups(cursor, job_id: int, state: str, follow_ups=None) -> list
     for spec in specs:
         spec = dict(spec)
         retry = spec.pop("retry", None)
-        job, created = job_enqueue_in(retry=Retry(**retry) if retry else None, **spec)
+        job, created = job_enqueue_in(retry=Retry(**retry) if retry else None, clock=FrozenClock(now), **spec)
         if created:
             ids.append(job.pk)
     if ids:
-        event(cursor, job_id=job_id, kind="follow_ups_enqueued", at=now_of(None), state=state, jobs=ids)
+        event(cursor, job_id=job_id, kind="follow_ups_enqueued", at=now, state=state, jobs=ids)
     return ids

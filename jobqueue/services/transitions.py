@@ -52,7 +52,8 @@ def job_move(cursor, *, job_id: int, old: str, new: str, follow_ups=UNREAD, **co
     if new in TERMINAL_JOB_STATES:
         from .followups import enqueue_follow_ups  # it enqueues jobs, whose services import this module
 
-        enqueue_follow_ups(cursor, job_id, new, None if follow_ups is UNREAD else follow_ups)
+        # Every settling move sets finished_at from its service's clock: the follow-ups are stamped with it.
+        enqueue_follow_ups(cursor, job_id, new, None if follow_ups is UNREAD else follow_ups, now=columns["finished_at"])
 
 
 def attempt_move(cursor, *, attempt_id: int, old: str, new: str, **columns) -> None:

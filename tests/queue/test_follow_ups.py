@@ -96,3 +96,16 @@ def test_bad_follow_ups_are_refused_at_enqueue(clock, bad):
     assert refused.value.details["field"] == "follow_ups"
     assert not Job.objects.exists()
     assert followups.MAX_FOLLOW_UPS == 16
+
+
+def test_follow_ups_are_stamped_with_the_settling_services_clock(clock):
+    import datetime as dt
+
+    from jobqueue.clock import FrozenClock
+
+    job = enqueue(follow_ups=HOOKS)
+    later = FrozenClock(clock.now() + dt.timedelta(hours=3))  # not the process-wide clock
+    services.job_cancel(job_id=job.pk, clock=later)
+    hook = Job.objects.get(key="hook:cancelled")
+    assert hook.created_at == hook.available_at == later.now()
+    assert JobEvent.objects.get(job=job, kind="follow_ups_enqueued").at == later.now()
