@@ -216,3 +216,20 @@ def test_a_damaged_hook_payload_is_refused(hook):
 def test_a_hook_outcome_that_is_not_terminal_is_not_written():
     with pytest.raises(ValueError, match="a hook outcome is one of succeeded, failed, cancelled"):
         payload.hook_payload_of(workflow="fix", instance_id=3, task=_Task(), outcome="queued", effect_key="k")
+
+
+def test_status_tells_a_running_hook_job_from_its_instances_workflow_job(config, clock):
+    from apiary_site.management.commands.status import render_status
+    from jobqueue.selectors import status_document
+
+    [job] = dispatch(config=config, task=new_task(), workflows=("fix",))
+    w = worker()
+    [c] = claim(w)
+    assert [a["hook"] for a in status_document()["active"]] == [None]
+    finish(c, "succeeded")
+    [hc] = claim(w)
+
+    [active] = status_document()["active"]
+    assert (active["job_id"], active["instance_id"], active["hook"]) == (hc.job_id, job.payload["instance_id"], "succeeded")
+    [row] = [line for line in render_status(status_document()).splitlines() if line.split()[:1] == [str(hc.job_id)]]
+    assert "fix (hook succeeded)" in row

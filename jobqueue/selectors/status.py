@@ -16,7 +16,8 @@ from .workers import active_jobs, worker_health, worker_is_draining, workers_all
 
 def payload_refs(payload) -> dict:
     """Protocol v1's status names the workflow, instance and task of each
-    active job, and the instance that spawned it (issue 10). The queue stores
+    active job, the instance that spawned it and, for a hook job, the outcome
+    it follows (issue 10). The queue stores
     none of them: they are payload keys the enqueuer (workflows.services)
     writes, read here only to fill those fields."""
     payload = payload if isinstance(payload, dict) else {}
@@ -26,6 +27,7 @@ def payload_refs(payload) -> dict:
         "task_id": task.get("id"),
         "workflow": payload.get("workflow"),
         "parent_instance_id": payload.get("parent_instance_id"),
+        "hook": hook.get("outcome") if isinstance(hook := payload.get("hook"), dict) else None,
     }
 
 

@@ -78,7 +78,7 @@ def render_status(doc: dict) -> str:
                     # PARENT the instance whose spawn step created the task ("-" for none).
                     _or_dash(a["instance_id"]),
                     _or_dash(a["task_id"]),
-                    _or_dash(a["workflow"]),
+                    _or_dash(a["workflow"]) + (f" (hook {a['hook']})" if a.get("hook") else ""),
                     _or_dash(a.get("parent_instance_id")),  # .get: a control plane older than issue 10
                     a["worker_id"],
                     str(a["attempt_number"]),
