@@ -365,7 +365,7 @@ class StatusActive(serializers.Serializer):
     workflow = serializers.CharField(allow_null=True)
     # The instance whose spawn step created this job's task (issue 10); null for any other.
     parent_instance_id = serializers.IntegerField(allow_null=True)
-    hook = serializers.ChoiceField(choices=["succeeded", "failed", "cancelled"], allow_null=True)
+    hook = serializers.ChoiceField(choices=OUTCOMES, allow_null=True, help_text="the outcome whose hook this job runs")
     worker_id = serializers.CharField()
     attempt_number = serializers.IntegerField()
     lease_expires_at = serializers.DateTimeField()
