@@ -86,6 +86,9 @@ MAX_RECORD_VALUE_BYTES = 64 * 1024  # of the value as compact UTF-8 JSON: the jo
 # many bytes of UTF-8.
 CHECKPOINT_PREFIX = "checkpoint:"
 MAX_CHECKPOINT_BYTES = 64 * 1024
+# A checkpoint record's value as JSON: each byte of content is at most 6 there (a control character
+# becomes "\u001f"), so a full checkpoint may exceed MAX_RECORD_VALUE_BYTES; a reader allows this.
+MAX_CHECKPOINT_VALUE_BYTES = 6 * MAX_CHECKPOINT_BYTES + len('{"content":""}')
 
 
 # A record of a job's journal, as the services return it and the protocol carries it.

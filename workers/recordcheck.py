@@ -9,7 +9,7 @@ the field, never a traceback.
 |---|---|
 | `key` | a string of 1–MAX_RECORD_KEY characters; the key written, for a write's answer |
 | `state` | `started` or `done`; `done` when the write was `done` (a record never goes back) |
-| `value` | a JSON object without NaN, nested at most MAX_DEPTH levels, at most MAX_RECORD_VALUE_BYTES as JSON |
+| `value` | a JSON object without NaN, nested at most MAX_DEPTH levels, at most MAX_RECORD_VALUE_BYTES as JSON (a checkpoint's: MAX_CHECKPOINT_VALUE_BYTES) |
 | `attempt_number` | an integer from 1 to 2**31 - 1, not a boolean |
 | `started_by` | null, or such an integer |
 | `started_earlier`, `already_done` | booleans; `started_earlier` as `started_by` and `attempt_number` say |
@@ -17,7 +17,14 @@ the field, never a traceback.
 
 from jobqueue import jsonlimits
 from jobqueue.exceptions import InvalidRequest
-from jobqueue.types import MAX_RECORD_KEY, MAX_RECORD_VALUE_BYTES, RECORD_STATES, Record
+from jobqueue.types import (
+    CHECKPOINT_PREFIX,
+    MAX_CHECKPOINT_VALUE_BYTES,
+    MAX_RECORD_KEY,
+    MAX_RECORD_VALUE_BYTES,
+    RECORD_STATES,
+    Record,
+)
 
 MAX_ATTEMPT_NUMBER = 2**31 - 1
 
@@ -60,8 +67,9 @@ def record_of(data, *, key: str | None = None, state: str | None = None) -> Reco
     value = data.get("value")
     if not isinstance(value, dict):
         raise ValueError(f"value must be a JSON object, got {type(value).__name__}")
+    limit = MAX_CHECKPOINT_VALUE_BYTES if got_key.startswith(CHECKPOINT_PREFIX) else MAX_RECORD_VALUE_BYTES
     try:
-        jsonlimits.check(value, max_bytes=MAX_RECORD_VALUE_BYTES)
+        jsonlimits.check(value, max_bytes=limit)
     except jsonlimits.JSONLimitError as exc:
         raise ValueError(f"value: {exc}") from None
     record = Record(

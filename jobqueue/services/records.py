@@ -8,6 +8,8 @@ The rules, one compare-and-set each:
 * `started` may be written over `started` (a later attempt starting the
   same thing again: the answer says whether an earlier attempt started it,
   which is what an external effect whose end is unknown needs to know);
+  `started_by` stays the first attempt that started it, so the same write
+  resent after a lost answer says the same;
 * `done` is final: writing over it changes nothing and answers the record
   as it is, so a later attempt reuses what an earlier one did;
 * a checkpoint (attempt_heartbeat_with_checkpoint: a heartbeat and the latest
@@ -79,16 +81,15 @@ def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Recor
             existing = JobRecord.objects.get(job_id=fenced.job_id, key=key)
     if existing.state == RecordState.DONE:
         return _of(existing, already_done=True)
-    started_by = existing.started_by if state == RecordState.DONE else number
+    # The first attempt that started it stays `started_by`: a resent write of a later attempt still
+    # learns that an earlier one started it (its answer may have been lost, not the earlier start).
+    started_by = existing.started_by or number
     updated = JobRecord.objects.filter(pk=existing.pk, state=RecordState.STARTED).update(
         state=state, value=value, attempt_number=number, started_by=started_by, updated_at=now
     )
     row = JobRecord.objects.get(pk=existing.pk)
     if not updated:  # it became done meanwhile
         return _of(row, already_done=True)
-    if state == RecordState.STARTED:
-        # The answer tells the writer whether an earlier attempt had started it.
-        return Record(row.key, row.state, row.value, number, existing.started_by)
     return _of(row)
 
 

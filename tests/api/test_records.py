@@ -80,8 +80,10 @@ def test_started_again_by_a_later_attempt_says_an_earlier_one_started_it(api, cl
     second = expire_and_reclaim(clock, worker, 5)
     answer = record(api, second, key="publish:deploy", state="started").json()["record"]
     assert (answer["started_earlier"], answer["started_by"], answer["attempt_number"]) == (True, 1, 2)
+    resent = record(api, second, key="publish:deploy", state="started").json()["record"]  # its answer was lost
+    assert (resent["started_earlier"], resent["started_by"]) == (True, 1)
     done = record(api, second, key="publish:deploy", state="done", value={"output": "ok"}).json()["record"]
-    assert (done["state"], done["started_by"], done["already_done"]) == ("done", 2, False)
+    assert (done["state"], done["started_by"], done["attempt_number"], done["already_done"]) == ("done", 1, 2, False)
 
 
 def test_done_is_final_and_answers_the_recorded_value(api, clock, queue_config):

@@ -50,8 +50,11 @@ def test_a_later_attempt_learns_an_earlier_one_started_it(clock, queue_config):
     [second] = claim(worker)
     restarted = write(second, "publish:deploy", "started")
     assert restarted.started_earlier and restarted.started_by == 1 and restarted.attempt_number == 2
+    # The same write resent (its answer was lost) still says so: started_by stays the first starter.
+    resent = write(second, "publish:deploy", "started")
+    assert resent.started_earlier and resent.started_by == 1
     done = write(second, "publish:deploy", "done", {"output": "ok"})
-    assert (done.state, done.started_by, done.already_done) == ("done", 2, False)  # the start it finished
+    assert (done.state, done.started_by, done.attempt_number, done.already_done) == ("done", 1, 2, False)
 
 
 @pytest.mark.parametrize("how", ["expired", "superseded", "wrong-token", "finished"])

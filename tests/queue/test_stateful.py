@@ -594,8 +594,8 @@ class QueueMachine(RuleBasedStateMachine):
         elif old.state == RecordState.DONE:  # final: nothing changes, the answer is the record
             new = old
             expected = (old.state, old.value, old.attempt_number, old.started_by, True)
-        elif state == RecordState.STARTED:  # the answer says who started it before
-            new = MRecord(state, value, a.number, a.number)
+        elif state == RecordState.STARTED:  # the first starter stays: the answer says who started it first
+            new = MRecord(state, value, a.number, old.started_by)
             expected = (state, value, a.number, old.started_by, False)
             assert answer.started_earlier == (old.started_by != a.number)
         else:

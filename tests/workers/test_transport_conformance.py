@@ -541,6 +541,23 @@ def test_the_journal_is_written_and_read_through_the_attempt_and_a_checkpoint_ri
     assert set(services.records_of_job(job.pk)) == {"publish:open-pr", "checkpoint:implement"}
 
 
+def test_a_full_checkpoint_of_characters_json_escapes_is_read_back(make_transport, clock):
+    """A checkpoint at its cap (MAX_CHECKPOINT_BYTES of UTF-8) is larger than a record's value cap
+    once JSON escapes it; the worker's check of the journal answer still takes it, or no attempt
+    after a crash could read its journal."""
+    from jobqueue.types import MAX_CHECKPOINT_BYTES
+
+    enqueue()
+    transport = make_transport("w1")
+    session = transport.register(spec("w1")).session
+    [claim] = transport.claim(session=session, max_jobs=1, wait=0)
+    fence = {"attempt_id": claim.attempt_id, "token": claim.token}
+    content = "\x01" * MAX_CHECKPOINT_BYTES  # each one "\u0001" (6 bytes) in JSON
+    transport.heartbeat(**fence, checkpoint=("agent", content))
+    [record] = transport.records(**fence)
+    assert (record.key, record.value) == ("checkpoint:agent", {"content": content})
+
+
 class JournalExecutor:
     """An executor that uses its journal as the workflow executor does: reads it, records a
     publish's start, points its checkpoint slot at a file, then holds; once released it
