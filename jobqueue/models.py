@@ -286,6 +286,10 @@ class JobRecord(models.Model):
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="records")
     key = models.CharField(max_length=255)
+    # The key up to its first ":" (all of it without one): how a layer above finds every done record
+    # of one kind across jobs (the control plane's pending spawns) without reading every journal,
+    # and without a LIKE or a key range, whose use of an index depends on the database's collation.
+    kind = models.CharField(max_length=255, default="", editable=False)
     state = models.CharField(max_length=16, choices=RecordState.choices)
     value = models.JSONField(default=dict, blank=True)
     attempt_number = models.PositiveIntegerField(help_text="the attempt that wrote it last")
@@ -294,9 +298,7 @@ class JobRecord(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["job", "key"], name="jobrecord_job_key_unique")]
-        # Done records by key, across jobs: how a layer above finds the ones under a key prefix
-        # (a range scan, e.g. the control plane's pending spawns) without reading every journal.
-        indexes = [models.Index(fields=["key"], condition=Q(state="done"), name="jobrecord_done_key")]
+        indexes = [models.Index(fields=["kind", "id"], condition=Q(state="done"), name="jobrecord_done_kind")]
 
     def __str__(self) -> str:
         return f"job {self.job_id} {self.key} [{self.state}]"

@@ -52,6 +52,7 @@ from .models import Spawn, Task, WorkflowInstance
 log = logging.getLogger("apiary.spawn")
 
 SPAWN_PREFIX = "spawn:"  # the journal key of a spawn step's children: spawn:<step id>
+SPAWN_KIND = SPAWN_PREFIX.removesuffix(":")  # those records' JobRecord.kind
 BATCH = 100  # records materialised per call, at most
 ITEM_KEY_MAX = Task._meta.get_field("item_key").max_length
 
@@ -60,8 +61,7 @@ def _pending():
     """Done spawn records no Spawn row marks, oldest first."""
     taken = Spawn.objects.filter(job_id=OuterRef("job_id"), key=OuterRef("key"))
     return (
-        # A key range rather than LIKE, so both databases use jobrecord_done_key (":" + 1 is ";").
-        JobRecord.objects.filter(state=RecordState.DONE, key__gte=SPAWN_PREFIX, key__lt=SPAWN_PREFIX[:-1] + ";")
+        JobRecord.objects.filter(state=RecordState.DONE, kind=SPAWN_KIND)  # index jobrecord_done_kind
         .exclude(Exists(taken))
         .order_by("id")
     )

@@ -65,6 +65,11 @@ def _checked(key: str, state: str, value: dict | None) -> dict:
     return clean(value)  # NUL and lone surrogates: PostgreSQL's jsonb refuses them
 
 
+def key_kind(key: str) -> str:
+    """A record's kind: its key up to the first ":" (JobRecord.kind)."""
+    return key.partition(":")[0]
+
+
 def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Record:
     """The write itself, for a fenced attempt, in the caller's transaction."""
     number = fenced.number
@@ -73,7 +78,7 @@ def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Recor
         try:
             with transaction.atomic():
                 row = JobRecord.objects.create(
-                    job_id=fenced.job_id, key=key, state=state, value=value, attempt_number=number,
+                    job_id=fenced.job_id, key=key, kind=key_kind(key), state=state, value=value, attempt_number=number,
                     started_by=number if state == RecordState.STARTED else None, updated_at=now,
                 )  # fmt: skip
             return _of(row)
