@@ -98,7 +98,7 @@ def test_document_shape_and_values(clock, queue_config):
         "worker_id": "w1",
         "pool": "build",
         "labels": ["linux"],
-        "capabilities": ["apiary.hooks", "apiary.workflow", "docker", "runner:shell"],
+        "capabilities": ["apiary.effects", "apiary.hooks", "apiary.workflow", "docker", "runner:shell"],
         "capacity": 2,
         "active_jobs": 1,
         "health": "healthy",

@@ -36,6 +36,10 @@ WORKFLOW_CAPABILITY = "apiary.workflow"
 # Required of a worker for hook jobs: a worker from before hooks existed would read a hook job as
 # its workflow and run the workflow's steps again. Only workers that know hook jobs advertise it.
 HOOKS_CAPABILITY = "apiary.hooks"
+# Required of a worker for a workflow job with publish or spawn steps, for the same reason: a worker
+# from before effect steps would run a publish with no ledger (again after a done one) and a spawn
+# step as a plain step (its children lost).
+EFFECTS_CAPABILITY = "apiary.effects"
 RUNNER_CAPABILITY = "runner:{adapter}"
 
 log = logging.getLogger("apiary.dispatch")
@@ -94,11 +98,10 @@ def affinity_key(task_id: int) -> str:
 
 
 def worker_capabilities(adapters, extra=()) -> tuple[str, ...]:
-    """What a worker advertises: the workflow and hooks capabilities, `runner:<adapter>`
+    """What a worker advertises: the workflow, hooks and effects capabilities, `runner:<adapter>`
     for every adapter whose executable it finds, and any of its own."""
-    return tuple(
-        sorted({WORKFLOW_CAPABILITY, HOOKS_CAPABILITY, *(RUNNER_CAPABILITY.format(adapter=a) for a in adapters), *extra})
-    )
+    known = {WORKFLOW_CAPABILITY, HOOKS_CAPABILITY, EFFECTS_CAPABILITY}
+    return tuple(sorted({*known, *(RUNNER_CAPABILITY.format(adapter=a) for a in adapters), *extra}))
 
 
 @transaction.atomic(durable=True)
@@ -152,6 +155,7 @@ def instance_dispatch_in(
         "priority": workflow.priority,
         "max_attempts": config.settings.queue.max_attempts,
     }
+    effects = [EFFECTS_CAPABILITY] if any(step.publish or step.spawn for step in workflow.steps) else []
     job, _ = queue.job_enqueue_in(
         key=key,
         payload=payload.payload_of(
@@ -162,7 +166,7 @@ def instance_dispatch_in(
             key=key, workflow=workflow, instance=instance, task=task, routing=routing, parent_instance_id=parent_id
         ),
         clock=clock,
-        **routing,
+        **{**routing, "capabilities": [*routing["capabilities"], *effects]},
     )
     WorkflowInstance.objects.filter(pk=instance.pk).update(job=job)
     instance.job = job
