@@ -24,7 +24,7 @@ import signal
 
 import pytest
 
-from tests.daemon import recorded_groups
+from tests.daemon import group_alive, recorded_groups
 
 from .conftest import ALPHA, BETA, ControlPlane, WorkerProcess, pid_running, wait_for
 
@@ -93,7 +93,8 @@ def effect_workflows(config: dict) -> None:
             "id": "fx-stale",
             "agent": "anyone",
             "steps": [
-                {"id": "prep", "run": sh("mark prep\ngate prep\nprintf prep-output"), "timeout": "120s"},
+                # Each attempt's prep waits on a gate of its own: the test ends them one at a time.
+                {"id": "prep", "run": sh('mark prep\ngate "prep.$APIARY_ATTEMPT"\nprintf prep-output'), "timeout": "120s"},
                 {"id": "pub", "publish": True, "run": sh("mark pub\nprintf published"), "timeout": "120s"},
                 {"id": "split", "spawn": True, "run": sh("mark split\n" + SPAWN_OUTPUT), "timeout": "120s"},
             ],
@@ -333,10 +334,80 @@ def test_worker_killed_mid_publish_runs_it_again_with_the_same_key_and_retry_set
     assert (record["state"], record["value"]["output"]) == ("done", "published-2")
 
 
+def test_embedded_worker_killed_mid_publish_runs_it_again_with_the_same_key_and_retry_set(tmp_path):
+    """The same with the embedded worker: SIGKILL `apiary run` (and its step) while the publish
+    command runs, and start it again."""
+    plane = ControlPlane(tmp_path / "embedded", edit_config=embedded)
+    title = "pubmidembedded-1"
+    gate(plane, title, "after")
+    state = plane.root / ".apiary"
+    try:
+        plane.start()
+        job = add(plane, title, "fx-publish")
+        wait_for(lambda: marks(plane, title, "pub.begin"), what="the publish command to start",
+                 alive=(plane.proc,), context=plane.tail)
+        assert records(plane, job["id"])["publish:pub"]["state"] == "started"
+        groups = recorded_groups(state)
+        assert groups, "the publish step's process group is not recorded"
+        plane.kill()
+        for pgid in groups:  # the host's crash takes the step too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        # Gone before its gate opens: the killed run must never reach pub.end.
+        wait_for(lambda: not any(group_alive(g) for g in groups), what="the killed publish command to be gone",
+                 timeout=15, context=plane.tail)
+        plane.start()
+        wait_for(lambda: len(marks(plane, title, "pub.begin")) == 2, what="the publish command to run again",
+                 alive=(plane.proc,), context=plane.tail)
+        gate(plane, title, "pub")
+        assert wait_for(lambda: ended(plane, job["id"]), what="the job to end", alive=(plane.proc,),
+                        context=plane.tail) == "succeeded"
+
+        assert [(a["number"], a["state"]) for a in plane.attempts(job["id"])] == [(1, "expired"), (2, "succeeded")]
+        first, second = marks(plane, title, "pub.begin")
+        assert (first["attempt"], second["attempt"]) == ("1", "2")
+        assert first["key"] and first["key"] == second["key"], (first, second)
+        assert (first["retry"], second["retry"]) == ("", "1")
+        # The killed run never ended; the retry did, once.
+        assert [m["attempt"] for m in marks(plane, title, "pub.end")] == ["2"]
+        assert (plane.marks / f"{title}.after-saw").read_text() == "published-2"
+        record = records(plane, job["id"])["publish:pub"]
+        assert (record["state"], record["value"]["output"]) == ("done", "published-2")
+        # The same worker id in the same workspace: prep, recorded done, was not run again.
+        assert len(marks(plane, title, "prep")) == 1
+        assert len(marks(plane, title, "after")) == 1
+    finally:
+        for name in ("pub", "after"):
+            gate(plane, title, name)
+        if plane.proc is not None:
+            plane.stop()
+        for pgid in recorded_groups(state):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
 # --------------------------------------------------------------------------- 3. a stale attempt
 
 
 def test_stale_attempt_records_no_publish_or_spawn_and_the_instance_has_one_writer(cp, workers):
+    """Attempt 1's worker is SIGSTOPped in step prep until its lease is gone and attempt 2, on the
+    other worker, holds in its own prep. Attempt 1's prep command then ends (its gate opens while
+    its worker is still stopped) and only then is the worker continued: the first thing its job
+    thread does is write `step:prep` done, and next (were that accepted) `publish:pub` started
+    and the publish command — all while the journal is still empty, since attempt 2 records
+    nothing until the test opens its gate, after the stale worker has discarded its result.
+
+    Why this fails without fencing: the step's process has already exited with 0 when the
+    worker resumes, so the runner reports success and the journal sends the write whatever
+    the worker's own self-fence does meanwhile (a journal write does not look at the cancel
+    event; the self-fence, racing, is logged first). Only the control plane can refuse it.
+    Were it accepted: the discard's reason would be the self-fence, not a refused journal
+    write; `step:prep` would be recorded by attempt 1, so the journal is not empty after the
+    discard, and since `done` is final it stays attempt 1's ("every record is attempt 2's"
+    fails); and if the self-fence had not cancelled the job by then, the stale attempt would
+    go on to record the publish's `started` and run the publish and the spawn (marks of
+    attempt 1). (The gate opens before SIGCONT on purpose: opened after, the self-fence would
+    stop the step before it ended and the stale attempt would write nothing at all.)"""
     title = "pubstale-1"
     procs = pair(workers, "pubstale")
     job = add(cp, title, "fx-stale")
@@ -344,23 +415,38 @@ def test_stale_attempt_records_no_publish_or_spawn_and_the_instance_has_one_writ
              alive=tuple(w.proc for w in procs.values()), context=context_of(cp, *procs.values()))
     stale = procs[worker_of(cp, job["id"], 1)]
     fresh = next(w for w in procs.values() if w is not stale)
+    stale_groups = wait_for(stale.runner_groups, what="the stale attempt's prep to record its process group",
+                            alive=(stale.proc,), context=stale.tail)
 
-    stale.send(signal.SIGSTOP)  # the worker only: its step still runs, waiting on the gate
+    stale.send(signal.SIGSTOP)  # the worker only: its step still runs, waiting on gate prep.1
     try:
         wait_for(lambda: len(marks(cp, title, "prep")) == 2, what="the other worker to take the job",
                  alive=(fresh.proc,), context=context_of(cp, fresh))
-        assert worker_of(cp, job["id"], 2) == fresh.worker_id
-        gate(cp, title, "prep")  # both prep commands end now: the stale one's, next, would be the publish
-        assert wait_for(lambda: ended(cp, job["id"]), what="the new attempt to finish", alive=(fresh.proc,),
-                        context=context_of(cp, fresh)) == "succeeded"
+        first, second = cp.attempts(job["id"])
+        assert (first["state"], second["worker_id"], second["state"]) == ("expired", fresh.worker_id, "active")
+        assert records(cp, job["id"]) == {}  # attempt 2 holds in prep: nothing recorded by anyone yet
+        gate(cp, title, "prep.1")  # the stale prep ends while its worker is stopped
+        wait_for(lambda: not any(group_alive(g) for g in stale_groups), what="the stale attempt's prep to end",
+                 alive=(fresh.proc,), context=context_of(cp, fresh))
     finally:
         stale.send(signal.SIGCONT)
 
-    discarded = re.compile(rf"job {job['id']} attempt \d+ result discarded|"
-                           rf"finish of job {job['id']} attempt \d+ refused as stale")
-    wait_for(lambda: discarded.search(stale.output()), what="the stale worker to discard its result",
-             alive=(stale.proc,), context=stale.tail)
+    discarded = re.compile(rf"job {job['id']} attempt {first['id']} result discarded: (.*)")
+    found = wait_for(lambda: discarded.search(stale.output()), what="the stale worker to discard its result",
+                     alive=(stale.proc, fresh.proc), context=context_of(cp, stale, fresh))
+    # It tried to record (its step's success) and the control plane refused it as stale ...
+    assert "refused a journal write as stale" in found.group(1), stale.tail()
+    # ... so nothing is recorded: attempt 2 still holds in prep, and attempt 1's write was dropped.
+    assert records(cp, job["id"]) == {}
+    assert marks(cp, title, "pub") == [] and marks(cp, title, "split") == []
+
+    gate(cp, title, "prep.2")
+    assert wait_for(lambda: ended(cp, job["id"]), what="the new attempt to finish", alive=(fresh.proc,),
+                    context=context_of(cp, fresh)) == "succeeded"
     # The stale attempt ran no publish and no spawn: one run of each, the fresh attempt's.
+    assert [(m["worker"], m["attempt"]) for m in marks(cp, title, "prep")] == [
+        (stale.worker_id, "1"), (fresh.worker_id, "2")
+    ]
     assert [(m["worker"], m["attempt"]) for m in marks(cp, title, "pub")] == [(fresh.worker_id, "2")]
     assert [(m["worker"], m["attempt"]) for m in marks(cp, title, "split")] == [(fresh.worker_id, "2")]
     for child in (f"{title}-child-1", f"{title}-child-2"):
@@ -368,12 +454,13 @@ def test_stale_attempt_records_no_publish_or_spawn_and_the_instance_has_one_writ
                  what=f"{child} to run", alive=(fresh.proc,), context=context_of(cp, fresh))
         assert cp.value("SELECT COUNT(*) FROM workflows_task WHERE title = ?", child) == 1
         assert len(marks(cp, child, "child")) == 1
+    assert cp.value("SELECT COUNT(*) FROM workflows_spawn WHERE job_id = ?", job["id"]) == 1
     # Every record of the job was written by attempt 2 alone.
     recorded = records(cp, job["id"])
     assert {"step:prep", "publish:pub", "step:pub", "spawn:split", "step:split"} <= set(recorded), recorded
     assert {(k, r["attempt_number"]) for k, r in recorded.items()} == {(k, 2) for k in recorded}, recorded
+    assert recorded["publish:pub"]["started_by"] == 2, recorded["publish:pub"]
     assert [(a["number"], a["state"]) for a in cp.attempts(job["id"])] == [(1, "expired"), (2, "succeeded")]
-    assert job_state(cp, job["id"]) == "succeeded"
 
 
 # --------------------------------------------------------------------------- 4. spawn across a crash
