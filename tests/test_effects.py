@@ -189,7 +189,7 @@ def test_a_retry_after_a_failed_run_starts_over_but_never_runs_a_done_publish_ag
     (tmp_path / "counts" / "last-fails").touch()
     first = Attempt().run(make_executor(tmp_path))
     assert first.outcome == "failed" and "step last" in first.error
-    assert journal_of(job)["retry-after"] == ("started", {"attempt": 1})
+    assert journal_of(job)["retry-after"] == ("started", {"attempt": 1, "run": 1})
     expire(clock)
     (tmp_path / "counts" / "last-fails").unlink()
     second = Attempt().run(make_executor(tmp_path))
@@ -219,21 +219,85 @@ def test_a_re_attempt_on_another_worker_starts_over_but_never_runs_a_done_publis
     assert [(s["id"], s["status"]) for s in second.summary["steps"]][1] == ("pub", "skipped")
 
 
+FOUR_STEPS = {
+    name: {"run": f'echo "$APIARY_ATTEMPT" >> "$COUNTS/{name}"; test ! -f "$COUNTS/{name}-fails" || exit 3; printf {name}-$APIARY_ATTEMPT'}
+    for name in ("a", "b", "c", "d")
+}
+
+
+def interrupted_after(step_id: str, worker_id: str = "w1") -> tuple[Attempt, History]:
+    """An attempt that the runtime stops (a lost lease, a self-fence) once `step_id` has finished."""
+    attempt = Attempt(worker_id)
+    return attempt, History(on_finished=lambda finished: finished == step_id and attempt.cancel.set())
+
+
+def test_after_a_failed_run_the_retry_records_its_own_steps_and_a_later_interruption_resumes_from_them(tmp_path, clock):
+    """Attempt 1 fails at c; its retry (attempt 2, a new run) runs a, b, c and is interrupted after
+    c; attempt 3 on the same worker resumes at d with run 2's outputs, not run 1's."""
+    job = enqueue()
+    (tmp_path / "counts" / "c-fails").touch()
+    assert Attempt().run(make_executor(tmp_path, steps=FOUR_STEPS)).outcome == "failed"
+    expire(clock)
+    (tmp_path / "counts" / "c-fails").unlink()
+    second, history = interrupted_after("c")
+    assert second.run(make_executor(tmp_path, steps=FOUR_STEPS, history=history)).outcome == "cancelled"
+    expire(clock)
+
+    third = Attempt().run(make_executor(tmp_path, steps=FOUR_STEPS))
+    assert third.outcome == "succeeded", third.error
+    assert [(s["id"], s["status"]) for s in third.summary["steps"]] == [
+        ("a", "skipped"), ("b", "skipped"), ("c", "skipped"), ("d", "succeeded")
+    ]
+    assert [runs(tmp_path, name) for name in ("a", "b", "c", "d")] == [["1", "2"], ["1", "2"], ["1", "2"], ["3"]]
+    assert journal_of(job)["step:b:1"][1]["output"] == "b-2"  # the retry's own record; step:b is run 0's
+
+
+def test_resumption_is_a_prefix_once_a_step_runs_every_plain_step_after_it_runs_too(tmp_path, clock):
+    """w1 records a and is interrupted; attempt 2 on w2 runs a (w1's record is not its) and b, and is
+    interrupted; attempt 3 on w2 must run a, and so b again: b's input may have changed."""
+    enqueue()
+    first, history = interrupted_after("a", "w1")
+    first.run(make_executor(tmp_path, "w1", steps=FOUR_STEPS, history=history))
+    expire(clock)
+    second, history = interrupted_after("b", "w2")
+    second.run(make_executor(tmp_path, "w2", steps=FOUR_STEPS, history=history))
+    expire(clock)
+
+    third = Attempt("w2").run(make_executor(tmp_path, "w2", steps=FOUR_STEPS))
+    assert third.outcome == "succeeded", third.error
+    assert [s["status"] for s in third.summary["steps"]] == ["succeeded"] * 4
+    assert runs(tmp_path, "b") == ["2", "3"]
+
+
 # --- publish ----------------------------------------------------------------------------------------
 
 
 def test_a_publish_an_earlier_attempt_started_runs_again_with_the_same_key_and_effect_retry(tmp_path, clock):
+    """The first attempt's worker died mid-publish: it had recorded `started` (as the executor does
+    right before the command) and nothing after, so the publish's end is unknown."""
     job = enqueue()
-    (tmp_path / "counts" / "pub-fails").touch()  # the first attempt's publish ends badly: its end is unknown
-    assert Attempt().run(make_executor(tmp_path)).outcome == "failed"
-    assert journal_of(job)["publish:pub"][0] == "started"
+    first = Attempt()
+    first.journal.record("publish:pub", "started", {})
     expire(clock)
-    (tmp_path / "counts" / "pub-fails").unlink()
 
     assert Attempt("w2").run(make_executor(tmp_path, "w2")).outcome == "succeeded"
     key = payload.step_effect_key(project="effects", job=payload.read(_claim_of(job)), step_id="pub")
-    assert runs(tmp_path, "pub") == [f"{key}|", f"{key}|1"]
+    assert runs(tmp_path, "pub") == [f"{key}|1"]
     assert journal_of(job)["publish:pub"] == ("done", {"output": "https://example/pr/1"})
+
+
+def test_a_publish_that_exited_non_zero_runs_again_in_the_retry_without_the_retry_flag(tmp_path, clock):
+    """Its end is known (it failed), so the retry's run of it is no retry of an unknown end."""
+    job = enqueue()
+    (tmp_path / "counts" / "pub-fails").touch()
+    assert Attempt().run(make_executor(tmp_path)).outcome == "failed"
+    assert journal_of(job)["publish:pub"] == ("started", {"exited": 1})
+    expire(clock)
+    (tmp_path / "counts" / "pub-fails").unlink()
+
+    assert Attempt().run(make_executor(tmp_path)).outcome == "succeeded"
+    key = payload.step_effect_key(project="effects", job=payload.read(_claim_of(job)), step_id="pub")
+    assert runs(tmp_path, "pub") == [f"{key}|", f"{key}|"]
 
 
 def _claim_of(job: Job) -> Claim:
@@ -333,7 +397,7 @@ def test_a_bad_spawn_line_fails_the_step_naming_the_line_and_spawns_nothing(tmp_
     steps = {"split": {"run": f"cat {tmp_path / 'lines'}", "spawn": True}}
     outcome = Attempt().run(make_executor(tmp_path, steps=steps))
     assert outcome.outcome == "failed" and error in outcome.error, outcome.error
-    assert journal_of(job) == {"retry-after": ("started", {"attempt": 1})}  # nothing spawned; a retry starts over
+    assert journal_of(job) == {"retry-after": ("started", {"attempt": 1, "run": 1})}  # nothing spawned; a retry starts over
 
 
 def test_a_long_output_is_cut_to_fit_one_record_with_a_note():
@@ -406,6 +470,39 @@ def test_a_failed_steps_checkpoint_is_sent_as_it_ends_and_its_next_attempt_start
     (tmp_path / "counts" / "go").touch()
     assert Attempt().run(make_executor(tmp_path, steps=steps)).outcome == "succeeded"
     assert runs(tmp_path, "long") == ["0:", "1:turn 7"]
+
+
+def test_a_checkpoint_of_a_step_that_then_succeeded_is_not_pre_filled_when_the_step_runs_again(tmp_path, clock):
+    """w1 kept a checkpoint of `session`, which then succeeded, and was interrupted after it; on w2
+    the step runs again (w1's success is not w2's) as a fresh session, not a resumed one."""
+    job = enqueue()
+    steps = {
+        "session": {"run": 'printf "%s:%s\\n" "$${APIARY_RESUMED:-0}" "$(cat "$APIARY_CHECKPOINT" 2>/dev/null)" >> "$COUNTS/s"'},
+        "after": {"run": "true"},
+    }
+    first, history = interrupted_after("session", "w1")
+    services.attempt_heartbeat_with_checkpoint(
+        attempt_id=first.claim.attempt_id, token=first.claim.token, step="session", content="turn 9"
+    )  # what a heartbeat carried while the step ran
+    first.run(make_executor(tmp_path, "w1", steps=steps, history=history))
+    assert journal_of(job)["step:session"][0] == "done"
+    expire(clock)
+
+    assert Attempt("w2").run(make_executor(tmp_path, "w2", steps=steps)).outcome == "succeeded"
+    assert runs(tmp_path, "s") == ["1:turn 9", "0:"]  # attempt 1 itself was pre-filled: the record was there
+
+
+def test_a_spawn_recorded_by_a_worker_that_died_before_its_step_record_is_skipped_with_the_childrens_lines(
+    tmp_path, clock
+):
+    job = enqueue()
+    steps = {"split": {"run": "echo ran >> \"$COUNTS/split\"", "spawn": True}, "show": {"run": "printf %s {{ steps.split.output }} > show.out"}}
+    first = Attempt()
+    first.journal.record("spawn:split", "done", {"children": [{"id": "c1", "title": "One"}]})  # then it died
+    expire(clock)
+    assert Attempt().run(make_executor(tmp_path, steps=steps)).outcome == "succeeded"
+    assert runs(tmp_path, "split") == []
+    assert json.loads((workspace(tmp_path, job) / "show.out").read_text()) == {"id": "c1", "title": "One"}
 
 
 # --- hooks ------------------------------------------------------------------------------------------

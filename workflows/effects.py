@@ -5,9 +5,11 @@ Keys of a workflow job's journal (jobqueue/services/records.py says the rules):
 
 * `step:<id>` done `{output, worker_id, workspace}`: the step succeeded; a
   later attempt in the same workspace (same worker, same path) skips it and
-  reuses the output;
+  reuses the output, as long as every step before it was skipped too; after
+  a failed finish (`retry-after`) the next run's are `step:<id>:<run>`;
 * `publish:<id>` started before the command, done `{output}` after: a done
-  publish never runs again, in any workspace;
+  publish never runs again, in any workspace; started `{"exited": N}` when
+  attempt N's command exited non-zero (its end is known: no retry flag);
 * `spawn:<id>` done `{children}`: the spawn step's validated child list, which
   the control plane turns into tasks;
 * `checkpoint:<id>` (kept by heartbeats) `{content}`: the step's checkpoint file.
@@ -24,11 +26,26 @@ from jobqueue.types import MAX_RECORD_VALUE_BYTES, WORKER_ID_PATTERN
 from . import payload
 
 STEP, PUBLISH, SPAWN = "step:", "publish:", "spawn:"
-RETRY_AFTER = "retry-after"  # started {"attempt": N}: attempt N finished failed; step records before it are not resumed
+# started {"attempt": N, "run": k}: attempt N finished failed, the k-th run to; the next attempt starts run k
+RETRY_AFTER = "retry-after"
 MAX_CHILDREN = 100
 MAX_CHILD_TITLE = 500  # characters
 CHILD_KEYS = ("id", "title", "body", "payload", "workflows")
 _CHILD_ID_RE = re.compile(WORKER_ID_PATTERN + r"\Z")
+
+
+def run_of(records: dict) -> tuple[int, int]:
+    """(the run the next attempt belongs to, the last attempt that finished failed; 0, 0 before any):
+    a run is the attempts between two failed finishes; only its own step records are resumed."""
+    record = records.get(RETRY_AFTER)
+    if record is None:
+        return 0, 0
+    return int(record.value.get("run", 1)), int(record.value.get("attempt", 0))
+
+
+def step_key(step_id: str, run: int) -> str:
+    """The record of a step's success in run `run` (a `done` record is final, so each run has its own)."""
+    return f"{STEP}{step_id}" if run == 0 else f"{STEP}{step_id}:{run}"
 
 
 class SpawnError(ValueError):

@@ -192,6 +192,7 @@ class Executor:
         try:
             if journal is not None:
                 run.records = journal.records()
+                run.run_index = effects.run_of(run.records)[0]
             for step in steps:
                 if cancel.is_set():
                     outcome, error = "cancelled", "cancelled before step " + step.id
@@ -214,8 +215,9 @@ class Executor:
             if outcome == "failed" and journal is not None:
                 # A failed run is finished, not interrupted: a retry starts over (done publishes and
                 # spawns stay done). Only an attempt that ended without finishing resumes.
+                next_run = effects.run_of(run.records)[0] + 1
                 with contextlib.suppress(JournalError):
-                    journal.record(effects.RETRY_AFTER, "started", {"attempt": claim.attempt_number})
+                    journal.record(effects.RETRY_AFTER, "started", {"attempt": claim.attempt_number, "run": next_run})
         summary = {"steps": steps_summary, "worker_id": self.worker_id, "attempt": claim.attempt_number}
         return Outcome(outcome, summary, error)
 
@@ -229,6 +231,7 @@ class Executor:
             log.info("job %s: step %s skipped (%s recorded); its output reused", run.claim.job_id, history_id, why)
             self._skipped(run, step, history_id, why, output)
             return None
+        run.resuming = False  # a step runs: every plain step after it runs too (their inputs may change)
         try:
             argv, stdin, extra_env = self._command(run.agent, step, run.context)
         except templates.TemplateError as exc:
@@ -251,12 +254,14 @@ class Executor:
             )
         once = self._once(run, step)
         if once is not None and run.journal is not None:
+            before = run.records.get(effects.PUBLISH + step.id)
             # Fenced: a stale attempt records nothing (JournalError), so it never runs the command.
             started = run.journal.record(effects.PUBLISH + step.id, "started", {})
             if started.already_done:  # another attempt finished it meanwhile
                 self._skipped(run, step, history_id, once, str(started.value.get("output", "")))
                 return None
-            if started.started_earlier:  # its end is unknown: run again, and say so
+            exited = before is not None and "exited" in before.value  # the last run's end is known: it failed
+            if started.started_earlier and not exited:  # its end is unknown: run again, and say so
                 effect_env["APIARY_EFFECT_RETRY"] = "1"
         env = {name: _env_safe(value) for name, value in {**run.base_env, **step.env, **extra_env, **effect_env}.items()}
         result = self._execute(run, history_id, argv, stdin=stdin, env=env, timeout=timeout, log_path=log_path, checkpoint=checkpoint, step_id=step.id)
@@ -274,7 +279,10 @@ class Executor:
                 self._record(run, effects.PUBLISH + step.id, effects.with_output({}, result.output))
             if result.status == "succeeded":
                 value = {"worker_id": self.worker_id, "workspace": str(run.workspace)}
-                self._record(run, effects.STEP + step.id, effects.with_output(value, result.output))
+                self._record(run, effects.step_key(step.id, run.run_index), effects.with_output(value, result.output))
+        elif result.status == "failed" and once is not None and run.journal is not None:
+            # It exited non-zero: its end is known, so the next run of it is no retry of an unknown end.
+            run.journal.record(effects.PUBLISH + step.id, "started", {"exited": run.claim.attempt_number})
         run.context["steps"][step.id] = {"output": result.output, "exit_code": result.exit_code, "status": result.status}
         entry = {
             "id": history_id,
@@ -312,22 +320,23 @@ class Executor:
 
     def _reused(self, run: "_Run", step: StepConfig) -> tuple[str, str] | None:
         """(what was recorded, the output to reuse) when the step must not run again: a done
-        publish, hook step or spawn (anywhere), or a success this worker recorded in this workspace since
-        the last attempt that finished failed (a retry after a failure starts over)."""
-        records = run.records
-        done = {key: r for key, r in records.items() if r.state == "done"}
-        recorded_step = done.get(effects.STEP + step.id)
+        publish, hook step or spawn (anywhere), or, while every step before it was skipped, a
+        success this worker recorded in this workspace in this run (a retry after a failed finish
+        is a new run and starts over)."""
+        done = {key: r for key, r in run.records.items() if r.state == "done"}
+        recorded_step = done.get(effects.step_key(step.id, run.run_index))
         once = self._once(run, step)
         if once is not None and effects.PUBLISH + step.id in done:
             return once, str(done[effects.PUBLISH + step.id].value.get("output", ""))
         if step.spawn and effects.SPAWN + step.id in done:
-            return "spawn", str(recorded_step.value.get("output", "")) if recorded_step else ""
-        retry_after = records.get(effects.RETRY_AFTER)
-        failed_up_to = retry_after.value.get("attempt", 0) if retry_after is not None else 0
-        if recorded_step is not None and (
+            if recorded_step is not None:
+                return "spawn", str(recorded_step.value.get("output", ""))
+            # The worker died between the two records: its output was the children's lines.
+            children = done[effects.SPAWN + step.id].value.get("children", [])
+            return "spawn", "\n".join(json.dumps(child, ensure_ascii=False) for child in children)
+        if run.resuming and recorded_step is not None and (
             recorded_step.value.get("worker_id") == self.worker_id
             and recorded_step.value.get("workspace") == str(run.workspace)
-            and recorded_step.attempt_number > failed_up_to  # not from before a failed run
         ):
             return "step", str(recorded_step.value.get("output", ""))
         return None
@@ -346,6 +355,14 @@ class Executor:
         private.private_dir(path.parent)
         record = run.records.get(CHECKPOINT_PREFIX + step.id)
         content = record.value.get("content") if record is not None else None
+        if record is not None and any(
+            (done := run.records.get(effects.step_key(step.id, k))) is not None
+            and done.attempt_number >= record.attempt_number
+            for k in range(run.run_index + 1)
+        ):
+            # The step succeeded after it was kept (it runs again only because that was elsewhere or
+            # before a failed finish): that session is over, so this run of the step starts fresh.
+            content = None
         env = {"APIARY_CHECKPOINT": str(path)}
         if isinstance(content, str):
             with private.open_private(path, "w", encoding="utf-8", errors="replace") as out:
@@ -427,6 +444,8 @@ class _Run:
     base_env: dict
     context: dict
     summary: list
+    run_index: int = 0  # effects.run_of: the run this attempt belongs to
+    resuming: bool = True  # no step has run yet in this attempt: recorded ones may still be skipped
 
 
 def _file_name(step_id: str) -> str:
