@@ -81,6 +81,7 @@ class Heartbeat:
 RECORD_STATES = ("started", "done")  # models.RecordState's values
 MAX_RECORD_KEY = 255  # characters
 MAX_RECORD_VALUE_BYTES = 64 * 1024  # of the value as compact UTF-8 JSON: the journal is not a log store
+MAX_RECORDS_PER_JOB = 4096  # keys of one job's journal: what one attempt's token can make the control plane store
 # A step's checkpoint, sent with an attempt heartbeat: record `checkpoint:<step>`, state `started`,
 # value {"content": …}; the step is an id of the same shape as worker ids, the content at most this
 # many bytes of UTF-8.

@@ -249,3 +249,15 @@ def test_a_database_failure_while_storing_a_child_leaves_the_whole_record_for_th
     assert spawned_tasks() == [] and not Spawn.objects.exists()
     assert control.materialise() == 1
     assert [t.item_key for t in spawned_tasks()] == ["big.md/split/split/a", "big.md/split/split/b"]
+
+
+def test_a_spawn_record_of_a_step_the_workflow_does_not_declare_spawn_makes_nothing(control, parent, caplog):
+    """A worker's record is taken as a spawn step's output only where this control plane's
+    apiary.yaml has that spawn step: a worker cannot make tasks for a workflow that spawns nothing."""
+    instance, c = parent
+    spawn(c, [{"id": "a", "title": "A"}], step="invented")
+    with caplog.at_level(logging.WARNING, logger="apiary"):
+        assert control.materialise() == 1
+    assert spawned_tasks() == []
+    assert Spawn.objects.get().children == 0
+    assert "has no spawn step 'invented'" in caplog.text

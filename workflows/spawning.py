@@ -93,7 +93,7 @@ def spawn_materialise(*, config: Config, job_id: int, key: str, clock: Clock | N
     not a done spawn record."""
     if Spawn.objects.filter(job_id=job_id, key=key).exists():
         return None
-    record = queue.records_of_job(job_id).get(key)
+    record = queue.record_of_job(job_id, key)
     if record is None or record.state != RecordState.DONE or not key.startswith(SPAWN_PREFIX):
         return None
     now = (clock or get_clock()).now()
@@ -101,8 +101,17 @@ def spawn_materialise(*, config: Config, job_id: int, key: str, clock: Clock | N
     parent = WorkflowInstance.objects.select_related("task").filter(job_id=job_id).first()
     children = record.value.get("children") if isinstance(record.value, dict) else None
     taken = 0
+    workflow = config.workflows.get(parent.workflow) if parent is not None else None
+    declared = workflow is not None and any(s.id == step and s.spawn for s in workflow.steps)
     if parent is None:
         log.warning("spawn: job %s %s: the job is no workflow instance's; its children are not made", job_id, key)
+    elif not declared:
+        # The worker's record is taken as what a spawn step output only where apiary.yaml here has that
+        # step: a worker (or a stolen credential) cannot make tasks for a workflow that spawns nothing.
+        log.warning(
+            "spawn: instance %s %s: workflow %s has no spawn step %r in this control plane's apiary.yaml; "
+            "its children are not made", parent.pk, key, parent.workflow, step,
+        )  # fmt: skip
     elif not isinstance(children, list):
         log.error("spawn: job %s %s: the record holds no list of children; nothing is made", job_id, key)
     else:

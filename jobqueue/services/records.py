@@ -33,6 +33,7 @@ from ..types import (
     MAX_CHECKPOINT_BYTES,
     MAX_RECORD_KEY,
     MAX_RECORD_VALUE_BYTES,
+    MAX_RECORDS_PER_JOB,
     WORKER_ID_PATTERN,
     Heartbeat,
     Record,
@@ -75,6 +76,8 @@ def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Recor
     number = fenced.number
     existing = JobRecord.objects.filter(job_id=fenced.job_id, key=key).first()
     if existing is None:
+        if JobRecord.objects.filter(job_id=fenced.job_id).count() >= MAX_RECORDS_PER_JOB:
+            raise InvalidRequest(f"a job's journal holds at most {MAX_RECORDS_PER_JOB} keys", field="key")
         try:
             with transaction.atomic():
                 row = JobRecord.objects.create(
@@ -159,9 +162,15 @@ def job_records(*, attempt_id: int, token: str, acting_as: str | None = None, cl
     return [_of(row) for row in JobRecord.objects.filter(job_id=fenced.job_id).order_by("id")]
 
 
+def record_of_job(job_id: int, key: str) -> Record | None:
+    """One record of a job, or None (for the workflow layer on the control plane)."""
+    row = JobRecord.objects.filter(job_id=job_id, key=key).first()
+    return _of(row) if row is not None else None
+
+
 def records_of_job(job_id: int) -> dict[str, Record]:
     """Every record of a job (for operators and the workflow layer on the control plane)."""
     return {row.key: _of(row) for row in JobRecord.objects.filter(job_id=job_id).order_by("id")}
 
 
-__all__ = ["Record", "attempt_heartbeat_with_checkpoint", "job_record", "job_records", "records_of_job"]
+__all__ = ["Record", "attempt_heartbeat_with_checkpoint", "job_record", "job_records", "record_of_job", "records_of_job"]

@@ -118,3 +118,17 @@ def test_nul_and_lone_surrogates_are_stored_as_replacement_characters(clock):
     assert record.value == {"children": [{"title": "a\ufffdb\ufffd"}]}
     services.attempt_heartbeat_with_checkpoint(attempt_id=c.attempt_id, token=c.token, step="three", content="x\x00y")
     assert records_of_job(job.pk)["checkpoint:three"].value == {"content": "x\ufffdy"}
+
+
+def test_a_journal_holds_a_bounded_number_of_keys(clock, monkeypatch):
+    """One attempt's token cannot make the control plane store records without end."""
+    from jobqueue.services import records
+
+    monkeypatch.setattr(records, "MAX_RECORDS_PER_JOB", 3)
+    job, worker, c = held(clock)
+    for n in range(3):
+        write(c, f"step:s{n}", "done", {"output": n})
+    with pytest.raises(InvalidRequest, match="at most 3 keys"):
+        write(c, "spawn:more", "done", {"children": []})
+    assert write(c, "step:s0", "done").already_done  # an existing key still answers
+    assert JobRecord.objects.filter(job=job).count() == 3
