@@ -18,7 +18,7 @@ from ..wakeup import Wake
 from ..wakeup.emit import emit
 from .common import event, hash_token, now_of, postgres, service
 from .identity import acting_as as check_acting_as
-from .transitions import attempt_move, checked, job_move
+from .transitions import UNREAD, attempt_move, checked, job_move
 
 _jitter = random.Random()
 
@@ -40,7 +40,7 @@ class _Fenced:
     retry_backoff_max: float
     superseded: bool  # the worker id has registered again since this attempt's claim
     requirements_id: int
-    follow_ups: object  # the job's follow_ups column as read (JSON text on both backends)
+    has_follow_ups: bool  # the finish reads them (sql.FOLLOW_UPS) only then
 
 
 def _fenced(cursor, attempt_id: int, token: str, n_ow, acting_as: str | None = None) -> _Fenced:
@@ -160,7 +160,7 @@ def attempt_finish(
         else:
             job_move(
                 cursor, job_id=a.job_id, old=a.job_state, new=new_state, summary=summary, finished_at=now,
-                reason=reason, follow_ups=a.follow_ups or "{}",
+                reason=reason, follow_ups=UNREAD if a.has_follow_ups else "{}",
             )  # fmt: skip
         event(cursor, job_id=a.job_id, kind="finished", at=now, worker_id=a.worker_id, attempt_id=attempt_id, **detail)
         retry_in = (available - now).total_seconds() if new_state == JobState.QUEUED else None
