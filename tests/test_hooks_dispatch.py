@@ -233,3 +233,26 @@ def test_status_tells_a_running_hook_job_from_its_instances_workflow_job(config,
     assert (active["job_id"], active["instance_id"], active["hook"]) == (hc.job_id, job.payload["instance_id"], "succeeded")
     [row] = [line for line in render_status(status_document()).splitlines() if line.split()[:1] == [str(hc.job_id)]]
     assert "fix (hook succeeded)" in row
+
+
+def test_the_instance_admin_shows_its_hook_job_failed_while_the_instance_succeeded(config, clock, client, settings):
+    from django.contrib.auth.models import User
+    from django.urls import reverse
+
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    client.force_login(User.objects.create_superuser("admin", "a@example.com", "pw"))
+    [job] = dispatch(config=config, task=new_task(), workflows=("fix",))
+    w = worker()
+    [c] = claim(w)
+    finish(c, "succeeded")
+    for _ in range(2):  # the workflow's retry: max_attempts 2
+        clock.advance(600)
+        [hc] = claim(w)
+        finish(hc, "failed")
+    [hook] = hook_jobs()
+    assert hook.state == JobState.FAILED and Job.objects.get(pk=job.pk).state == JobState.SUCCEEDED
+
+    page = client.get(reverse("admin:workflows_workflowinstance_change", args=[job.payload["instance_id"]]))
+    text = page.content.decode()
+    assert page.status_code == 200
+    assert f"job {hook.pk}</a>: on succeeded hook, failed" in text

@@ -5,9 +5,13 @@ written by sources, spawns and the queue services, so the admin edits
 nothing; its actions call one service each."""
 
 from django.contrib import admin
+from django.urls import reverse
+from django.utils.html import format_html_join
+from django.utils.safestring import mark_safe
 
 from jobqueue import services
 from jobqueue.admin import OperateMixin, ReadOnlyMixin, cancel_results, release_results
+from jobqueue.models import Job
 
 from . import selectors
 from .models import StepRun, Task, TaskState, WorkflowInstance
@@ -102,6 +106,24 @@ class WorkflowInstanceAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     list_select_related = ("task", "job", "parent__task")
     inlines = (StepRunInline, ChildInstanceInline)
     actions = ("cancel_instances",)
+    readonly_fields = ("hooks",)
+
+    @admin.display(description="hooks")
+    def hooks(self, obj: WorkflowInstance):
+        """The instance's hook jobs (enqueued as it ended) and how each ended: a hook's failure is
+        shown here and never changes the instance's own state."""
+        jobs = Job.objects.filter(payload__instance_id=obj.pk, payload__has_key="hook").order_by("pk")
+        if not jobs:
+            return "—"
+        return format_html_join(
+            mark_safe("<br>"),  # a constant
+            '<a href="{}">job {}</a>: on {} hook, {}{}',
+            (
+                (reverse("admin:queue_job_change", args=[j.pk]), j.pk, j.payload["hook"].get("outcome"), j.state,
+                 f" ({j.reason})" if j.reason else "")
+                for j in jobs
+            ),
+        )  # fmt: skip
 
     @admin.action(description="Cancel selected instances", permissions=("operate",))
     def cancel_instances(self, request, queryset):
