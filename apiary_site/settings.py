@@ -225,6 +225,8 @@ SPECTACULAR_SETTINGS = {
     # Separate request components, so required strings say minLength 1 and
     # request bodies can say additionalProperties: false.
     "COMPONENT_SPLIT_REQUEST": True,
+    # One name for the outcome choices a finish sends and a status hook entry names.
+    "ENUM_NAME_OVERRIDES": {"OutcomeEnum": "jobqueue.types.OUTCOMES"},
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "jobqueue.api.schema.close_request_objects",

@@ -147,6 +147,9 @@ class Job(models.Model):
         "Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="current_of"
     )
     summary = models.JSONField(default=dict, blank=True)
+    # Jobs to enqueue, per terminal state, in the transaction that settles this one (a
+    # transactional outbox: the layer above's hooks). {"succeeded": [job spec, …], …}
+    follow_ups = models.JSONField(default=dict, blank=True)
     reason = models.TextField(blank=True, default="")
     created_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -264,6 +267,41 @@ class Worker(models.Model):
 
     def __str__(self) -> str:
         return self.worker_id
+
+
+class RecordState(models.TextChoices):
+    STARTED = "started"
+    """The attempt is about to do it (an external effect whose end is not known yet)."""
+    DONE = "done"
+    """Done, with its value: final; no attempt may change it."""
+
+
+class JobRecord(models.Model):
+    """A job's journal: what its attempts did, by key, each write fenced by the
+    current attempt's token (services/records.py). The queue never reads the
+    keys or values; the workflow layer keeps its effect ledger here (steps
+    done and their outputs, publishes started and done, checkpoints), so a
+    later attempt can skip what is done and a stale one can record nothing.
+    A `done` record is final."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="records")
+    key = models.CharField(max_length=255)
+    # The key up to its first ":" (all of it without one): how a layer above finds every done record
+    # of one kind across jobs (the control plane's pending spawns) without reading every journal,
+    # and without a LIKE or a key range, whose use of an index depends on the database's collation.
+    kind = models.CharField(max_length=255, default="", editable=False)
+    state = models.CharField(max_length=16, choices=RecordState.choices)
+    value = models.JSONField(default=dict, blank=True)
+    attempt_number = models.PositiveIntegerField(help_text="the attempt that wrote it last")
+    started_by = models.PositiveIntegerField(null=True, blank=True, help_text="the attempt that recorded `started`")
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "key"], name="jobrecord_job_key_unique")]
+        indexes = [models.Index(fields=["kind", "id"], condition=Q(state="done"), name="jobrecord_done_kind")]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} {self.key} [{self.state}]"
 
 
 class WorkerCredential(models.Model):

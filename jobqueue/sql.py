@@ -123,14 +123,17 @@ INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VAL
 
 def fenced_attempt(postgres: bool) -> str:
     """An attempt with what heartbeat and finish decide on; on PostgreSQL the
-    attempt and job rows are locked for the rest of the transaction."""
+    attempt and job rows are locked for the rest of the transaction. Only
+    whether the job has follow-ups: their specs (hook payloads, each with a
+    task snapshot) are read by the finish that needs them, not by every heartbeat."""
     return _FENCED_ATTEMPT + (" FOR UPDATE OF a, j" if postgres else "")
 
 
 _FENCED_ATTEMPT = """
 SELECT a.token_hash, a.state, a.lease_expires_at, a.lease_expires_at > %s, a.job_state, a.number, a.worker_id,
        j.id, j.state, j.current_attempt_id, j.cancel_requested_at IS NOT NULL, j.retry_max_attempts,
-       j.retry_backoff, j.retry_backoff_max, a.session <> w.session, j.requirements_id
+       j.retry_backoff, j.retry_backoff_max, a.session <> w.session, j.requirements_id,
+       j.follow_ups IS NOT NULL AND CAST(j.follow_ups AS TEXT) <> '{}'
   FROM queue_attempt a JOIN queue_job j ON j.id = a.job_id JOIN queue_worker w ON w.worker_id = a.worker_id
  WHERE a.id = %s
 """
@@ -138,6 +141,8 @@ SELECT a.token_hash, a.state, a.lease_expires_at, a.lease_expires_at > %s, a.job
 EXTEND_LEASE = """
 UPDATE queue_attempt SET lease_expires_at = %s, last_heartbeat_at = %s WHERE id = %s AND state = 'active'
 """
+
+FOLLOW_UPS = "SELECT follow_ups FROM queue_job WHERE id = %s"
 
 FAILED_ATTEMPTS = "SELECT COUNT(*) FROM queue_attempt WHERE job_id = %s AND state = 'failed'"
 

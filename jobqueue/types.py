@@ -75,3 +75,34 @@ CLAIM_FIELDS = frozenset(field.name for field in dataclasses.fields(Claim)) - {"
 class Heartbeat:
     lease_expires_at: dt.datetime
     cancel: bool
+
+
+# A job's journal (jobqueue/services/records.py says the rules): what both ends check of a record.
+RECORD_STATES = ("started", "done")  # models.RecordState's values
+MAX_RECORD_KEY = 255  # characters
+MAX_RECORD_VALUE_BYTES = 64 * 1024  # of the value as compact UTF-8 JSON: the journal is not a log store
+MAX_RECORDS_PER_JOB = 4096  # keys of one job's journal: what one attempt's token can make the control plane store
+# A step's checkpoint, sent with an attempt heartbeat: record `checkpoint:<step>`, state `started`,
+# value {"content": …}; the step is an id of the same shape as worker ids, the content at most this
+# many bytes of UTF-8.
+CHECKPOINT_PREFIX = "checkpoint:"
+MAX_CHECKPOINT_BYTES = 64 * 1024
+# A checkpoint record's value as JSON: each byte of content is at most 6 there (a control character
+# becomes "\u001f"), so a full checkpoint may exceed MAX_RECORD_VALUE_BYTES; a reader allows this.
+MAX_CHECKPOINT_VALUE_BYTES = 6 * MAX_CHECKPOINT_BYTES + len('{"content":""}')
+
+
+# A record of a job's journal, as the services return it and the protocol carries it.
+@dataclasses.dataclass(frozen=True)
+class Record:
+    key: str
+    state: str
+    value: dict
+    attempt_number: int
+    started_by: int | None
+    already_done: bool = False  # this write found the record done and changed nothing
+
+    @property
+    def started_earlier(self) -> bool:
+        """An attempt before the writer's started it (its end is unknown)."""
+        return self.started_by is not None and self.started_by != self.attempt_number

@@ -82,7 +82,7 @@ def task_state_of(job: Job) -> str:
 
 def register(worker_id: str = "w1", *, runners=("shell",), capabilities=(), **kwargs):
     """Register a worker that can run `runners`; returns the Worker."""
-    caps = ["apiary.workflow", *(f"runner:{r}" for r in runners), *capabilities]
+    caps = ["apiary.workflow", "apiary.hooks", "apiary.effects", *(f"runner:{r}" for r in runners), *capabilities]
     return services.worker_register(worker_id=worker_id, capabilities=caps, **kwargs)
 
 

@@ -231,6 +231,73 @@ def test_listener_settings_are_read(tmp_path):
     assert config.settings.queue.listener == cfg.schema.ListenerSettings(4, 5.0, 120.0)
 
 
+ISSUE_10_EXAMPLE = """\
+agents: [{id: engineer, runner: shell, command: cat}]
+workflows:
+  - id: fix
+    agent: engineer
+    steps:
+      - id: plan
+        prompt: "Plan a fix for {{ task.title }}"
+      - id: implement
+        prompt: "Implement: {{ steps.plan.output }}"
+      - id: open-pr
+        publish: true
+        run: ./open-pr.sh
+      - id: split
+        spawn: true
+        run: ./split-into-subtasks.sh
+    hooks:
+      on_success: [{run: "./notify.sh done"}]
+      on_failure: [{run: "./notify.sh failed"}]
+      on_cancel:  [{run: "./notify.sh cancelled"}]
+"""
+
+
+def test_the_issue_10_example_parses_publish_spawn_and_hooks(tmp_path):
+    fix = cfg.load(write(tmp_path, ISSUE_10_EXAMPLE), environ={}).workflows["fix"]
+    assert [(s.id, s.publish, s.spawn) for s in fix.steps] == [
+        ("plan", False, False),
+        ("implement", False, False),
+        ("open-pr", True, False),
+        ("split", False, True),
+    ]
+    # Keyed by the terminal job state each hook runs for.
+    assert fix.hooks == {
+        "succeeded": (cfg.StepConfig(id="hook-1", run="./notify.sh done"),),
+        "failed": (cfg.StepConfig(id="hook-1", run="./notify.sh failed"),),
+        "cancelled": (cfg.StepConfig(id="hook-1", run="./notify.sh cancelled"),),
+    }
+
+
+def test_hook_steps_take_ids_timeouts_and_env_and_only_given_outcomes_are_kept(tmp_path):
+    hooks = {"on_failure": [{"run": "a"}, {"id": "page", "run": "b", "timeout": "30s", "env": {"N": 1}}, {"run": "c"}]}
+    workflow = cfg.load(write_changed(tmp_path, {"workflows[0].hooks": hooks}), environ={}).workflows["build"]
+    assert workflow.hooks == {
+        "failed": (
+            cfg.StepConfig(id="hook-1", run="a"),
+            cfg.StepConfig(id="page", run="b", timeout=30.0, env={"N": "1"}),
+            cfg.StepConfig(id="hook-3", run="c"),
+        )
+    }
+    assert all(not (s.publish or s.spawn) for s in workflow.steps)
+
+
+def test_a_workflow_without_hooks_has_none(tmp_path):
+    changes = {"workflows[0].hooks": None, "workflows[0].steps[0].publish": False}
+    workflow = cfg.load(write_changed(tmp_path, changes), environ={}).workflows["build"]
+    assert workflow.hooks == {}
+    assert workflow.steps[0].publish is False
+
+
+def test_the_readme_apiary_yaml_example_loads(tmp_path):
+    block = (REPO / "README.md").read_text().split("### apiary.yaml", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    config = cfg.load(write(tmp_path, block), environ={"APIARY_WORKER_TOKEN": TOKEN, "APIARY_OLD_WORKER_TOKEN": "o" * 40})
+    fix = config.workflows["fix"]
+    assert [s.id for s in fix.steps if s.publish or s.spawn] == ["open-pr", "split"]
+    assert set(fix.hooks) == {"succeeded", "failed", "cancelled"}
+
+
 def test_config_objects_are_frozen(tmp_path):
     config = cfg.load(write(tmp_path, "project: p\n"), environ={})
     with pytest.raises(AttributeError):
@@ -596,6 +663,67 @@ INVALID = [
         "workflows[0].steps[0].continue_on_error",
         "expected true or false",
     ),
+    # Effects and hooks (issue 10): publish/spawn are booleans of run steps; hooks are lists of run steps.
+    ({"workflows[0].steps[0].publish": "yes"}, "workflows[0].steps[0].publish", "expected true or false, got 'yes'"),
+    ({"workflows[0].steps[0].spawn": 1}, "workflows[0].steps[0].spawn", "expected true or false, got 1"),
+    (
+        {"workflows[0].steps[0].publish": True, "workflows[0].steps[0].spawn": True},
+        "workflows[0].steps[0].spawn",
+        "either publish (one external effect) or spawn (child tasks), not both",
+    ),
+    ({"workflows[0].steps[1].publish": True}, "workflows[0].steps[1].publish", "only a run step can be publish"),
+    ({"workflows[0].steps[1].spawn": True}, "workflows[0].steps[1].spawn", "only a run step can be spawn"),
+    ({"workflows[0].hooks": ["x"]}, "workflows[0].hooks", "expected a mapping, got a list"),
+    (
+        {"workflows[0].hooks": {"on_succes": [{"run": "x"}]}},
+        "workflows[0].hooks.on_succes",
+        "unknown key (did you mean 'on_success'?); expected one of on_success, on_failure, on_cancel",
+    ),
+    ({"workflows[0].hooks": {"on_success": "./notify.sh"}}, "workflows[0].hooks.on_success", "expected a list of steps"),
+    ({"workflows[0].hooks": {"on_failure": []}}, "workflows[0].hooks.on_failure", "expected at least one run step"),
+    ({"workflows[0].hooks": {"on_cancel": ["x"]}}, "workflows[0].hooks.on_cancel[0]", "expected a mapping (one step)"),
+    ({"workflows[0].hooks": {"on_success": [{"id": "n"}]}}, "workflows[0].hooks.on_success[0].run", "required"),
+    ({"workflows[0].hooks": {"on_success": [{"run": 3}]}}, "workflows[0].hooks.on_success[0].run", "expected a string"),
+    (
+        {"workflows[0].hooks": {"on_success": [{"run": "x", "prompt": "y"}]}},
+        "workflows[0].hooks.on_success[0].prompt",
+        "not for a hook step; a hook step is a command: id, run, timeout, env",
+    ),
+    (
+        {"workflows[0].hooks": {"on_success": [{"run": "x", "publish": True}]}},
+        "workflows[0].hooks.on_success[0].publish",
+        "not for a hook step",
+    ),
+    (
+        {"workflows[0].hooks": {"on_success": [{"run": "x", "shell": "bash"}]}},
+        "workflows[0].hooks.on_success[0].shell",
+        "unknown key; expected one of id, run, timeout, env",
+    ),
+    (
+        {"workflows[0].hooks": {"on_success": [{"run": "x", "timeout": "0s"}]}},
+        "workflows[0].hooks.on_success[0].timeout",
+        "expected a duration above zero",
+    ),
+    (
+        {"workflows[0].hooks": {"on_success": [{"run": "x", "env": {"1BAD": "x"}}]}},
+        "workflows[0].hooks.on_success[0].env.1BAD",
+        "expected an environment variable name",
+    ),
+    (
+        {"workflows[0].hooks": {"on_success": [{"run": "x", "id": "bad id"}]}},
+        "workflows[0].hooks.on_success[0].id",
+        "expected a step id matching",
+    ),
+    (
+        {"workflows[0].hooks": {"on_success": [{"id": "n", "run": "x"}, {"id": "n", "run": "y"}]}},
+        "workflows[0].hooks.on_success[1].id",
+        "duplicate step id 'n' (first used at workflows[0].hooks.on_success[0])",
+    ),
+    (
+        {"workflows[0].hooks": {"on_success": [{"id": "hook-2", "run": "x"}, {"run": "y"}]}},
+        "workflows[0].hooks.on_success[1].id",
+        "the default id 'hook-2' is taken (at workflows[0].hooks.on_success[0]); give this step an id",
+    ),
     ({"workflows[0].retry.max_attempts": 0}, "workflows[0].retry.max_attempts", "expected an integer ≥ 1"),
     (
         {"workflows[0].retry.backoff_max": "1s"},
@@ -637,6 +765,7 @@ def test_invalid_config_names_file_key_path_and_expectation(tmp_path, changes, k
         ({"agents[1].labels": ["x"]}, "agents[1].labels"),
         ({"workflows[0].retry.jitter": True}, "workflows[0].retry.jitter"),
         ({"workflows[0].steps[2].shell": "bash"}, "workflows[0].steps[2].shell"),
+        ({"workflows[0].hooks": {"on_done": [{"run": "x"}]}}, "workflows[0].hooks.on_done"),
         ({"sources[1].interval": "5s"}, "sources[1].interval"),
     ],
 )
@@ -667,6 +796,18 @@ def test_every_error_is_reported_at_once(tmp_path):
     with pytest.raises(cfg.ConfigError) as caught:
         cfg.load(path, environ={})
     assert str(caught.value) == "\n".join(errors)
+
+
+def test_every_effect_and_hook_error_is_reported_at_once(tmp_path):
+    hooks = {"on_done": [{"run": "x"}], "on_failure": [{"timeout": "soon"}, {"run": "y", "prompt": "z"}]}
+    path = write_changed(tmp_path, {"workflows[0].steps[1].publish": True, "workflows[0].hooks": hooks})
+    assert [e.split(": ")[1] for e in errors_of(path)] == [
+        "workflows[0].steps[1].publish",
+        "workflows[0].hooks.on_done",
+        "workflows[0].hooks.on_failure[0].run",
+        "workflows[0].hooks.on_failure[0].timeout",
+        "workflows[0].hooks.on_failure[1].prompt",
+    ]
 
 
 @pytest.mark.parametrize(

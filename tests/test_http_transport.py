@@ -139,3 +139,17 @@ def test_a_429_is_an_answer_to_wait_on_naming_how_long(server):
         transport(server).claim(session="s", max_jobs=1, wait=0)
     assert raised.value.retry_after == 3.0
     assert len(Scripted.seen) == 1  # a claim is never resent by the transport
+
+
+def test_a_control_plane_that_lists_no_features_offers_no_journal(server):
+    """A control plane from before the journal answers registration without `features`."""
+    Scripted.answers = [(200, "application/json", json.dumps({
+        "session": "s", "lease_duration": 30, "heartbeat_interval": 10, "worker_timeout": 30,
+        "credential": None, "protocol": 1, "worker": {},
+    }))]  # fmt: skip
+    from workers.transport import WorkerSpec
+
+    spec = WorkerSpec(worker_id="w1", pool=None, labels=(), capabilities=(), capacity=1)
+    host, port = server.server_address
+    transport = HttpTransport(base_url=f"http://{host}:{port}", token="apw_" + "x" * 43, worker_id="w1")
+    assert transport.register(spec).features == frozenset()

@@ -79,6 +79,7 @@ def test_status_text_table(clock, config_file):
         str(instance_id(running)),
         str(task_id(running)),
         "triage",
+        "-",  # PARENT: not a spawned task's
         "w1",
         "1",
         "2026-01-01T00:00:30Z",  # claimed under the default 30 s lease, before the config was read

@@ -45,7 +45,7 @@ class ScriptedExecutor:
         self.cancelled = threading.Event()
         self.graces: list[float] = []
 
-    def run(self, claim, cancel, *, grace):
+    def run(self, claim, cancel, *, grace, journal=None):
         self.graces.append(grace)
         self.started.set()
         while self.block and not self.release.is_set():

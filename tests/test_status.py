@@ -45,6 +45,8 @@ ACTIVE_KEYS = {
     "instance_id",
     "task_id",
     "workflow",
+    "hook",
+    "parent_instance_id",
     "worker_id",
     "attempt_number",
     "lease_expires_at",
@@ -96,7 +98,7 @@ def test_document_shape_and_values(clock, queue_config):
         "worker_id": "w1",
         "pool": "build",
         "labels": ["linux"],
-        "capabilities": ["apiary.workflow", "docker", "runner:shell"],
+        "capabilities": ["apiary.effects", "apiary.hooks", "apiary.workflow", "docker", "runner:shell"],
         "capacity": 2,
         "active_jobs": 1,
         "health": "healthy",
@@ -113,6 +115,8 @@ def test_document_shape_and_values(clock, queue_config):
         "instance_id": instance.pk,
         "task_id": instance.task_id,
         "workflow": "triage",
+        "parent_instance_id": None,  # not a spawned task's
+        "hook": None,  # the instance's workflow job, not a hook job
         "worker_id": "w1",
         "attempt_number": 1,
         "lease_expires_at": "2026-01-01T00:00:30Z",

@@ -49,9 +49,9 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from jobqueue.exceptions import Forbidden, InvalidRequest, NotFound, QueueError, SessionSuperseded, StaleAttempt
-from jobqueue.types import CREDENTIAL_PREFIX, Claim, Heartbeat
+from jobqueue.types import CREDENTIAL_PREFIX, Claim, Heartbeat, Record
 
-from . import claimcheck
+from . import claimcheck, recordcheck
 from .backoff import Backoff, retry_after_of
 from .credentials import CREDENTIAL_RE, CredentialFile
 from .transport import Registration, TransportError, Unauthorized, WorkerSpec
@@ -238,6 +238,7 @@ class HttpTransport:
             lease_duration=float(answer["lease_duration"]),
             heartbeat_interval=float(answer["heartbeat_interval"]),
             worker_timeout=float(answer["worker_timeout"]),
+            features=frozenset(f for f in answer.get("features") or () if isinstance(f, str)),
         )
 
     def _register(self, spec: WorkerSpec) -> dict:
@@ -298,8 +299,11 @@ class HttpTransport:
         except QueueError as exc:
             log.warning("attempt %s: could not report the refused claim (%s); its lease will run out", problem.attempt_id, exc)
 
-    def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat:
-        answer = self._call(self.beats, "POST", f"attempts/{attempt_id}/heartbeat", {"token": token}, quick=True)
+    def heartbeat(self, *, attempt_id: int, token: str, checkpoint: tuple[str, str] | None = None) -> Heartbeat:
+        body: dict = {"token": token}
+        if checkpoint is not None:  # sent only when there is one: a control plane before checkpoints refuses the field
+            body["checkpoint"] = {"step": checkpoint[0], "content": checkpoint[1]}
+        answer = self._call(self.beats, "POST", f"attempts/{attempt_id}/heartbeat", body, quick=True)
         return Heartbeat(lease_expires_at=parse_time(answer["lease_expires_at"]), cancel=bool(answer["cancel"]))
 
     def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str:
@@ -310,6 +314,18 @@ class HttpTransport:
             {"token": token, "outcome": outcome, "summary": summary, "error": error},
         )
         return answer["job_state"]
+
+    def record(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> Record:
+        """On `calls`, like a finish (a value may be large). A write is safe to resend: `started`
+        over the same attempt's `started` and `done` over `done` answer the same record."""
+        answer = self._call(
+            self.calls, "POST", f"attempts/{attempt_id}/records", {"token": token, "key": key, "state": state, "value": value}
+        )
+        return recordcheck.written(answer, key=key, state=state)
+
+    def records(self, *, attempt_id: int, token: str) -> list[Record]:
+        answer = self._call(self.calls, "POST", f"attempts/{attempt_id}/records/list", {"token": token})
+        return recordcheck.listed(answer)
 
     def status(self) -> dict:
         return self._call(self.calls, "GET", "status")

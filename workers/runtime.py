@@ -35,6 +35,7 @@ from jobqueue.types import Claim
 
 from .backoff import Backoff
 from .executor import Executor, Outcome
+from .journal import Journal
 from .transport import Registration, Transport, TransportError, WorkerSpec
 from .verdicts import FATAL, Verdict, classify
 
@@ -53,6 +54,7 @@ class ActiveJob:
     discard: str | None = None  # why the result must not be sent
     thread: threading.Thread | None = None
     outbox_id: int | None = None  # the finish's row in the worker's outbox, once written
+    journal: Journal | None = None  # what the executor records through; its checkpoint rides the heartbeats
     finishing: bool = False  # its finish is being sent: a stale heartbeat answer may just mean it landed
 
 
@@ -270,6 +272,9 @@ class WorkerRuntime:
                 claim.job_id, claim.attempt_id, claim.attempt_number, claim.agent, claim.runner,
             )
             job = ActiveJob(claim=claim, acked_at=acked, next_heartbeat=acked + self.beat_every)
+            # A control plane from before the journal (no `journal` feature) keeps none: the executor
+            # then refuses publish and spawn steps and runs the rest as before.
+            job.journal = self._journal(job) if "journal" in self.registration.features else None
             job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"job-{claim.job_id}", daemon=True)
             with self.lock:
                 self.active[claim.attempt_id] = job
@@ -320,6 +325,18 @@ class WorkerRuntime:
             log.warning("claim of job %s attempt %s is already stale: %s", claim.job_id, claim.attempt_id, exc.message)
             return None
         return sent
+
+    def _journal(self, job: ActiveJob) -> Journal:
+        """The job's journal: a call refused as stale discards the job's result, as a stale
+        heartbeat does; a superseded session or a refused credential stops the worker."""
+
+        def refused(verdict: Verdict, exc: QueueError) -> None:
+            if verdict in FATAL:
+                self._stop_for(verdict, exc)
+            else:
+                self._discard(job, f"the control plane refused a journal write as stale: {exc.message}")
+
+        return Journal(transport=self.transport, claim=job.claim, cancel=job.cancel, on_refused=refused, rand=self.rand)
 
     def reap(self, wait: bool = False) -> None:
         with self.lock:
@@ -394,8 +411,12 @@ class WorkerRuntime:
         if now < job.next_heartbeat:
             return
         job.next_heartbeat = now + self.beat_every
+        checkpoint = job.journal.pending_checkpoint() if job.journal is not None else None
         try:
-            answer = self.transport.heartbeat(attempt_id=job.claim.attempt_id, token=job.claim.token)
+            answer = self.transport.heartbeat(
+                attempt_id=job.claim.attempt_id, token=job.claim.token,
+                **({"checkpoint": checkpoint} if checkpoint is not None else {}),
+            )
         except QueueError as exc:
             verdict = classify(exc)
             if verdict is Verdict.RETRY:
@@ -403,6 +424,12 @@ class WorkerRuntime:
                 job.next_heartbeat = now + min(1.0, self.beat_every / 2)
             elif verdict in FATAL:
                 self._stop_for(verdict, exc)
+            elif verdict is Verdict.REFUSED and checkpoint is not None:
+                # The checkpoint, not the attempt, was refused (a control plane before checkpoints):
+                # it is dropped, and the lease is extended at once without it.
+                log.warning("heartbeat of attempt %s: checkpoint refused (%s); beating without it", job.claim.attempt_id, exc)
+                job.journal.checkpoint_sent(checkpoint)
+                job.next_heartbeat = now
             elif job.finishing:  # the finish committed before this heartbeat: nothing to stop
                 log.debug("heartbeat of attempt %s answered stale while its finish is sent", job.claim.attempt_id)
             else:
@@ -410,6 +437,8 @@ class WorkerRuntime:
             return
         job.acked_at = now
         self.last_contact = self.monotonic()
+        if checkpoint is not None:
+            job.journal.checkpoint_sent(checkpoint)
         if answer.cancel and not job.cancel.is_set():
             log.info("cancel requested: job %s attempt %s; stopping its runner", job.claim.job_id, job.claim.attempt_id)
             job.cancel.set()
@@ -492,7 +521,7 @@ class WorkerRuntime:
         claim = job.claim
         try:
             try:
-                outcome = self.executor.run(claim, job.cancel, grace=self.grace)
+                outcome = self.executor.run(claim, job.cancel, grace=self.grace, journal=job.journal)
             except Exception as exc:  # a bug in a runner must not take the worker down
                 log.exception("job %s attempt %s crashed in the executor", claim.job_id, claim.attempt_id)
                 outcome = Outcome("failed", {}, f"executor error: {exc!r}")

@@ -15,7 +15,7 @@ from django.db import close_old_connections, connection
 from jobqueue import conf, services
 from jobqueue.exceptions import QueueError
 from jobqueue.longpoll import claim_with_wait
-from jobqueue.types import Claim, Heartbeat
+from jobqueue.types import Claim, Heartbeat, Record
 
 
 class TransportError(QueueError):
@@ -37,6 +37,7 @@ class Registration:
     lease_duration: float
     heartbeat_interval: float
     worker_timeout: float
+    features: frozenset[str] = frozenset({"journal"})  # what the control plane serves beyond protocol 1's first version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +58,16 @@ class Transport(Protocol):
 
     def claim(self, *, session: str, max_jobs: int, wait: float) -> list[Claim]: ...
 
-    def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat: ...
+    def heartbeat(self, *, attempt_id: int, token: str, checkpoint: tuple[str, str] | None = None) -> Heartbeat:
+        """Extends the lease; with `checkpoint` (step, content) also keeps that step's checkpoint."""
 
     def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str: ...
+
+    def record(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> Record:
+        """Writes `key` in the attempt's job's journal (jobqueue/services/records.py says the rules)."""
+
+    def records(self, *, attempt_id: int, token: str) -> list[Record]:
+        """The attempt's job's journal, oldest first."""
 
     def close(self) -> None: ...
 
@@ -95,11 +103,20 @@ class InProcessTransport:
         close_old_connections()
         return claim_with_wait(worker_id=self.worker_id, session=session, max_jobs=max_jobs, wait=wait)
 
-    def heartbeat(self, *, attempt_id: int, token: str) -> Heartbeat:
-        return services.attempt_heartbeat(attempt_id=attempt_id, token=token)
+    def heartbeat(self, *, attempt_id: int, token: str, checkpoint: tuple[str, str] | None = None) -> Heartbeat:
+        if checkpoint is None:
+            return services.attempt_heartbeat(attempt_id=attempt_id, token=token)
+        step, content = checkpoint
+        return services.attempt_heartbeat_with_checkpoint(attempt_id=attempt_id, token=token, step=step, content=content)
 
     def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str:
         return services.attempt_finish(attempt_id=attempt_id, token=token, outcome=outcome, summary=summary, error=error)
+
+    def record(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> Record:
+        return services.job_record(attempt_id=attempt_id, token=token, key=key, state=state, value=value)
+
+    def records(self, *, attempt_id: int, token: str) -> list[Record]:
+        return services.job_records(attempt_id=attempt_id, token=token)
 
     def close(self) -> None:
         connection.close()

@@ -1,11 +1,17 @@
 """Admin for tasks and workflow instances: readable, with the step history
-inline. Tasks and instances are written by sources and the queue services,
-so the admin edits nothing; its actions call one service each."""
+inline, and a spawned instance's parent (the instance whose spawn step
+created its task) and an instance's children. Tasks and instances are
+written by sources, spawns and the queue services, so the admin edits
+nothing; its actions call one service each."""
 
 from django.contrib import admin
+from django.urls import reverse
+from django.utils.html import format_html_join
+from django.utils.safestring import mark_safe
 
 from jobqueue import services
 from jobqueue.admin import OperateMixin, ReadOnlyMixin, cancel_results, release_results
+from jobqueue.models import Job
 
 from . import selectors
 from .models import StepRun, Task, TaskState, WorkflowInstance
@@ -14,18 +20,25 @@ from .services import affinity_key
 
 class StepRunInline(ReadOnlyMixin, admin.TabularInline):
     model = StepRun
-    fields = ("attempt_number", "step_id", "status", "worker_id", "started_at", "ended_at", "exit_code", "log_path")
+    fields = ("attempt_number", "step_id", "status", "note", "worker_id", "started_at", "ended_at", "exit_code", "log_path")
     readonly_fields = fields
     extra = 0
+
+    @admin.display(description="note")
+    def note(self, obj: StepRun) -> str:
+        """Why a skipped step did not run (the journal recorded it done); its tail says so."""
+        return obj.output_tail if obj.status == "skipped" else ""
 
 
 class InstanceInline(ReadOnlyMixin, admin.TabularInline):
     model = WorkflowInstance
 
-    def get_queryset(self, request):
-        return super().get_queryset(request).select_related("job")
+    fk_name = "task"
 
-    fields = ("generation", "workflow", "state", "created_at", "finished_at")
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("job", "parent__task")
+
+    fields = ("generation", "workflow", "state", "parent", "created_at", "finished_at")
     readonly_fields = fields
 
     @admin.display(description="state")
@@ -37,6 +50,19 @@ class InstanceInline(ReadOnlyMixin, admin.TabularInline):
         return obj.job.finished_at if obj.job else None
     extra = 0
     show_change_link = True
+
+
+class ChildInstanceInline(InstanceInline):
+    """The instances whose tasks this instance's spawn steps created."""
+
+    fk_name = "parent"
+    verbose_name = "spawned instance"
+    verbose_name_plural = "spawned instances"
+    fields = ("task", "generation", "workflow", "state", "created_at", "finished_at")
+    readonly_fields = fields
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("task")
 
 
 class TaskStateFilter(admin.SimpleListFilter):
@@ -74,12 +100,30 @@ class TaskAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
 
 @admin.register(WorkflowInstance)
 class WorkflowInstanceAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
-    list_display = ("id", "workflow", "task", "generation", "state", "created_at", "finished_at")
+    list_display = ("id", "workflow", "task", "generation", "state", "parent", "created_at", "finished_at")
     list_filter = ("job__state", "workflow")
     search_fields = ("workflow", "task__item_key")
-    list_select_related = ("task", "job")
-    inlines = (StepRunInline,)
+    list_select_related = ("task", "job", "parent__task")
+    inlines = (StepRunInline, ChildInstanceInline)
     actions = ("cancel_instances",)
+    readonly_fields = ("hooks",)
+
+    @admin.display(description="hooks")
+    def hooks(self, obj: WorkflowInstance):
+        """The instance's hook jobs (enqueued as it ended) and how each ended: a hook's failure is
+        shown here and never changes the instance's own state."""
+        jobs = Job.objects.filter(payload__instance_id=obj.pk, payload__has_key="hook").order_by("pk")
+        if not jobs:
+            return "—"
+        return format_html_join(
+            mark_safe("<br>"),  # a constant
+            '<a href="{}">job {}</a>: on {} hook, {}{}',
+            (
+                (reverse("admin:queue_job_change", args=[j.pk]), j.pk, j.payload["hook"].get("outcome"), j.state,
+                 f" ({j.reason})" if j.reason else "")
+                for j in jobs
+            ),
+        )  # fmt: skip
 
     @admin.action(description="Cancel selected instances", permissions=("operate",))
     def cancel_instances(self, request, queryset):

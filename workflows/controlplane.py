@@ -1,4 +1,5 @@
-"""The control plane's own loop: poll sources, dispatch, reap expired leases.
+"""The control plane's own loop: poll sources, dispatch, reap expired leases,
+materialise spawn records into child tasks (workflows.spawning).
 
 `run_once()` does one round and returns; `apiary run` calls it in a loop next
 to the embedded worker, and tests call it directly.
@@ -24,7 +25,7 @@ from jobqueue.clock import Clock
 from jobqueue.models import Job, JobState
 from jobqueue.selectors import BLOCKED_LIMIT, blocked_reasons
 
-from . import services, sources
+from . import services, sources, spawning
 from .config import Config
 from .models import Task
 
@@ -66,6 +67,7 @@ class ControlPlane:
                 self._running[source_id] = self._start(source_id)
         if now >= self.next_reap:
             self.reap()
+            self.materialise()
             self.next_reap = now + self.reap_interval
         if now >= self.next_forget:
             self.forget()
@@ -161,6 +163,14 @@ class ControlPlane:
             )
         return len(expired)
 
+    def materialise(self) -> int:
+        """Done spawn records into child tasks and their jobs, a bounded batch
+        (spawning.BATCH); returns the records materialised."""
+        done = spawning.spawns_materialise(config=self.config, clock=self.clock)
+        if done:
+            log.info("spawn: materialised %d spawn record(s)", done)
+        return done
+
     def forget(self) -> int:
         """Drop registrations silent for `forget_workers_after` that never held an attempt."""
         forgotten = queue.workers_forget(older_than=conf.current().forget_workers_after, clock=self.clock)
@@ -185,7 +195,10 @@ class ControlPlane:
 
     def idle(self) -> bool:
         """Every source polled at least once (a failed poll counts: see
-        `failed_sources()`) and no job queued or leased."""
-        return self.polled >= set(self.config.sources) and not Job.objects.filter(
-            state__in=(JobState.QUEUED, JobState.LEASED)
-        ).exists()
+        `failed_sources()`), no job queued or leased and no spawn record
+        waiting to become tasks (its children are work still to come)."""
+        return (
+            self.polled >= set(self.config.sources)
+            and not Job.objects.filter(state__in=(JobState.QUEUED, JobState.LEASED)).exists()
+            and not spawning.spawns_pending()
+        )

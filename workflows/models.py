@@ -49,6 +49,14 @@ class WorkflowInstance(models.Model):
     generation = models.PositiveIntegerField()
     workflow = models.CharField(max_length=128)
     job = models.OneToOneField("queue.Job", null=True, on_delete=models.CASCADE, related_name="+")
+    # The instance whose spawn step created this instance's task (workflows.spawning), set when
+    # this instance is dispatched. On the instance, not the task: a child task's later generation
+    # (a later parent generation spawning it with new content) is dispatched by that parent
+    # instance, and each instance names the one that caused it. null for a source's own task.
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children",
+        help_text="the instance whose spawn step created this one's task",
+    )  # fmt: skip
     created_at = models.DateTimeField()
 
     class Meta:
@@ -58,6 +66,29 @@ class WorkflowInstance(models.Model):
 
     def __str__(self) -> str:
         return f"{self.workflow}#{self.pk} ({self.task})"
+
+
+class Spawn(models.Model):
+    """A done `spawn:<step>` record of a job's journal that the control plane
+    has materialised into child tasks (workflows.spawning): one row per
+    record, written in the transaction that creates the children, so each
+    record is materialised once. The record itself is the queue's and stays
+    as the worker wrote it."""
+
+    job = models.ForeignKey("queue.Job", on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)  # the record's key, `spawn:<step>`
+    instance = models.ForeignKey(
+        WorkflowInstance, null=True, blank=True, on_delete=models.SET_NULL, related_name="spawns",
+        help_text="the spawning instance (none for a job that is no instance's)",
+    )  # fmt: skip
+    children = models.PositiveIntegerField(default=0, help_text="the children taken (not skipped)")
+    materialised_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "key"], name="spawn_job_key_unique")]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} {self.key}"
 
 
 class StepRun(models.Model):

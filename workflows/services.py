@@ -6,8 +6,15 @@ workflow instance and its job in one transaction (`jobqueue.services.
 job_enqueue_in`). Dispatch is idempotent through the instance's uniqueness
 and the job's enqueue key, so polling an unchanged item again, or
 dispatching again after a crash, creates nothing new.
+
+A workflow with `hooks` gives its job follow-ups (jobqueue/services/
+followups.py): per outcome with hooks, one hook job the queue enqueues in the
+transaction that settles the instance's job in that state, under the same
+routing and the workflow's retry policy, keyed `<job key>:hook:<outcome>` so
+it exists at most once.
 """
 
+import dataclasses
 import logging
 import uuid
 
@@ -26,6 +33,13 @@ from .sources import Item
 # Every workflow job requires these of its worker (DESIGN §3.3): a worker that
 # runs workflows at all, and the job's runner adapter.
 WORKFLOW_CAPABILITY = "apiary.workflow"
+# Required of a worker for hook jobs: a worker from before hooks existed would read a hook job as
+# its workflow and run the workflow's steps again. Only workers that know hook jobs advertise it.
+HOOKS_CAPABILITY = "apiary.hooks"
+# Required of a worker for a workflow job with publish or spawn steps, for the same reason: a worker
+# from before effect steps would run a publish with no ledger (again after a done one) and a spawn
+# step as a plain step (its children lost).
+EFFECTS_CAPABILITY = "apiary.effects"
 RUNNER_CAPABILITY = "runner:{adapter}"
 
 log = logging.getLogger("apiary.dispatch")
@@ -73,15 +87,21 @@ def enqueue_key(task: Task, workflow: str) -> str:
     return f"{task.pk}:{task.generation}:{workflow}"
 
 
+def hook_key(job_key: str, outcome: str) -> str:
+    """The dedup key of the hook job that follows the job `job_key` ending `outcome`."""
+    return f"{job_key}:hook:{outcome}"
+
+
 def affinity_key(task_id: int) -> str:
     """The queue's affinity key of a task: its jobs with `workspace_affinity` share it."""
     return f"task:{task_id}"
 
 
 def worker_capabilities(adapters, extra=()) -> tuple[str, ...]:
-    """What a worker advertises: the workflow capability, `runner:<adapter>` for
-    every adapter whose executable it finds, and any of its own."""
-    return tuple(sorted({WORKFLOW_CAPABILITY, *(RUNNER_CAPABILITY.format(adapter=a) for a in adapters), *extra}))
+    """What a worker advertises: the workflow, hooks and effects capabilities, `runner:<adapter>`
+    for every adapter whose executable it finds, and any of its own."""
+    known = {WORKFLOW_CAPABILITY, HOOKS_CAPABILITY, EFFECTS_CAPABILITY}
+    return tuple(sorted({*known, *(RUNNER_CAPABILITY.format(adapter=a) for a in adapters), *extra}))
 
 
 @transaction.atomic(durable=True)
@@ -91,6 +111,21 @@ def instance_dispatch(
     """One workflow on the task's current generation: the instance and its job,
     committed together. Returns (instance, job, created); an existing instance
     is returned as it is."""
+    return instance_dispatch_in(config=config, task=task, workflow=workflow, clock=clock)
+
+
+def instance_dispatch_in(
+    *,
+    config: Config,
+    task: Task,
+    workflow: WorkflowConfig,
+    parent: WorkflowInstance | None = None,
+    clock: Clock | None = None,
+) -> tuple[WorkflowInstance, Job, bool]:
+    """instance_dispatch in the caller's transaction (workflows.spawning
+    dispatches a spawn's children with the record's marker). `parent` is the
+    spawning instance of a child task's instance: stored on the instance and
+    in its job's payload (`parent_instance_id`)."""
     lookup = {"task": task, "generation": task.generation, "workflow": workflow.id}
     existing = WorkflowInstance.objects.select_related("job").filter(**lookup).first()
     if existing is not None:
@@ -99,29 +134,71 @@ def instance_dispatch(
     agent: AgentConfig = config.agents[workflow.agent]
     try:
         with transaction.atomic():
-            instance = WorkflowInstance.objects.create(created_at=now, **lookup)
+            instance = WorkflowInstance.objects.create(created_at=now, parent=parent, **lookup)
     except IntegrityError:  # dispatched concurrently (PostgreSQL): the other one's instance and job stand
         existing = WorkflowInstance.objects.select_related("job").get(**lookup)
         return existing, existing.job, False
+    key = enqueue_key(task, workflow.id)
+    parent_id = parent.pk if parent is not None else None
+    # The instance's job and its hook jobs run under the agent's routing, with the same limits.
+    routing = {
+        "project": config.project,
+        "source": task.source,
+        "agent": agent.id,
+        "runner": agent.adapter,
+        "pool": agent.worker_pool,
+        "labels": list(agent.requires_labels),
+        "capabilities": [
+            *agent.requires_capabilities, WORKFLOW_CAPABILITY, RUNNER_CAPABILITY.format(adapter=agent.adapter)
+        ],
+        "affinity_key": affinity_key(task.pk) if agent.workspace_affinity else None,
+        "priority": workflow.priority,
+        "max_attempts": config.settings.queue.max_attempts,
+    }
+    effects = [EFFECTS_CAPABILITY] if any(step.publish or step.spawn for step in workflow.steps) else []
     job, _ = queue.job_enqueue_in(
-        key=enqueue_key(task, workflow.id),
-        payload=payload.payload_of(workflow=workflow.id, instance_id=instance.pk, task=task),
-        project=config.project,
-        source=task.source,
-        agent=agent.id,
-        runner=agent.adapter,
-        pool=agent.worker_pool,
-        labels=agent.requires_labels,
-        capabilities=[*agent.requires_capabilities, WORKFLOW_CAPABILITY, RUNNER_CAPABILITY.format(adapter=agent.adapter)],
-        affinity_key=affinity_key(task.pk) if agent.workspace_affinity else None,
-        priority=workflow.priority,
-        max_attempts=config.settings.queue.max_attempts,
+        key=key,
+        payload=payload.payload_of(
+            workflow=workflow.id, instance_id=instance.pk, task=task, parent_instance_id=parent_id
+        ),
         retry=workflow.retry,
+        follow_ups=_hook_follow_ups(
+            key=key, workflow=workflow, instance=instance, task=task, routing=routing, parent_instance_id=parent_id
+        ),
         clock=clock,
+        **{**routing, "capabilities": [*routing["capabilities"], *effects]},
     )
     WorkflowInstance.objects.filter(pk=instance.pk).update(job=job)
     instance.job = job
     return instance, job, True
+
+
+def _hook_follow_ups(
+    *,
+    key: str,
+    workflow: WorkflowConfig,
+    instance: WorkflowInstance,
+    task: Task,
+    routing: dict,
+    parent_instance_id: int | None = None,
+) -> dict:
+    """{outcome: [the hook job's spec]} for each outcome with hooks: what the queue enqueues when
+    the instance's job settles in that state (a job_enqueue_in keyword dict, stored as JSON)."""
+    follow_ups = {}
+    for outcome in workflow.hooks:
+        hook = hook_key(key, outcome)
+        hook_payload = payload.hook_payload_of(
+            workflow=workflow.id,
+            instance_id=instance.pk,
+            task=task,
+            outcome=outcome,
+            effect_key=payload.effect_key_of(project=routing["project"], key=hook),
+            parent_instance_id=parent_instance_id,
+        )
+        spec = {"key": hook, "payload": hook_payload, **routing, "retry": dataclasses.asdict(workflow.retry)}
+        spec["capabilities"] = [*routing["capabilities"], HOOKS_CAPABILITY]
+        follow_ups[outcome] = [spec]
+    return follow_ups
 
 
 def dispatch(*, config: Config, task: Task, workflows: tuple[str, ...], clock: Clock | None = None) -> list[Job]:

@@ -18,9 +18,13 @@ from jobqueue.types import (
     ENROLLMENT_KEY_PATTERN,
     MAX_CAPABILITIES,
     MAX_CAPACITY,
+    MAX_CHECKPOINT_BYTES,
     MAX_LABELS,
     MAX_NAME_LENGTH,
+    MAX_RECORD_KEY,
+    MAX_RECORD_VALUE_BYTES,
     OUTCOMES,
+    RECORD_STATES,
     WORKER_ID_PATTERN,
     Claim,
 )
@@ -151,10 +155,56 @@ class ClaimSerializer(StrictSerializer):
     wait = StrictFloatField(min_value=0, max_value=MAX_WAIT, required=False, default=0)
 
 
+def _utf8_at_most(limit: int):
+    def check(value: str) -> None:
+        if len(value.encode("utf-8", "surrogatepass")) > limit:
+            raise serializers.ValidationError(f"must be at most {limit} bytes of UTF-8")
+
+    return check
+
+
+class CheckpointSerializer(StrictSerializer):
+    """A step's checkpoint, sent with an attempt heartbeat."""
+
+    step = StrictCharField(
+        max_length=MAX_NAME_LENGTH,
+        trim_whitespace=False,
+        validators=[RegexValidator(rf"^{WORKER_ID_PATTERN}\Z", message=f"must be a step id ({WORKER_ID_PATTERN})")],
+    )
+    content = StrictCharField(
+        allow_blank=True, trim_whitespace=False, validators=[_utf8_at_most(MAX_CHECKPOINT_BYTES)],
+        help_text=f"the step's checkpoint file, at most {MAX_CHECKPOINT_BYTES} bytes of UTF-8",
+    )  # fmt: skip
+
+
 class AttemptHeartbeatSerializer(StrictSerializer):
     """POST attempts/{attempt_id}/heartbeat."""
 
     # Any string: a token that is not this attempt's is answered 409 stale_attempt.
+    token = StrictCharField(max_length=256, trim_whitespace=False)
+    checkpoint = CheckpointSerializer(
+        required=False, allow_null=True, default=None,
+        help_text="the latest content of a step's checkpoint: kept as the record `checkpoint:<step>` (state "
+        "`started`, value {\"content\": …}) in the heartbeat's transaction",
+    )  # fmt: skip
+
+
+class RecordSerializer(StrictSerializer):
+    """POST attempts/{attempt_id}/records."""
+
+    token = StrictCharField(max_length=256, trim_whitespace=False)
+    key = StrictCharField(max_length=MAX_RECORD_KEY, trim_whitespace=False)
+    state = serializers.ChoiceField(
+        choices=RECORD_STATES, error_messages={"invalid_choice": f"must be one of {', '.join(RECORD_STATES)}"}
+    )
+    value = serializers.DictField(
+        required=False, default=dict, help_text=f"any JSON object, at most {MAX_RECORD_VALUE_BYTES} bytes as JSON"
+    )
+
+
+class RecordsSerializer(StrictSerializer):
+    """POST attempts/{attempt_id}/records/list."""
+
     token = StrictCharField(max_length=256, trim_whitespace=False)
 
 
@@ -199,6 +249,11 @@ class RegisterResponse(serializers.Serializer):
     lease_duration = serializers.FloatField()
     heartbeat_interval = serializers.FloatField()
     worker_timeout = serializers.FloatField()
+    features = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="additions to protocol 1 this control plane serves: `journal` (attempts/{id}/records, "
+        "records/list, the heartbeat's checkpoint); absent on a control plane from before them",
+    )
     worker = WorkerView()
 
 
@@ -253,6 +308,28 @@ class AttemptHeartbeatResponse(serializers.Serializer):
     cancel = serializers.BooleanField()
 
 
+class RecordView(serializers.Serializer):
+    """A record of the job's journal (jobqueue/services/records.py says the rules)."""
+
+    key = serializers.CharField()
+    state = serializers.ChoiceField(choices=RECORD_STATES)
+    value = serializers.DictField()
+    attempt_number = serializers.IntegerField(help_text="the attempt that wrote it (last)")
+    started_by = serializers.IntegerField(allow_null=True, help_text="the attempt that recorded `started`")
+    started_earlier = serializers.BooleanField(
+        help_text="an attempt before `attempt_number` started it, and its end is unknown unless the state is `done`"
+    )
+    already_done = serializers.BooleanField(help_text="this write found the record `done` and changed nothing")
+
+
+class RecordResponse(serializers.Serializer):
+    record = RecordView()
+
+
+class RecordsResponse(serializers.Serializer):
+    records = RecordView(many=True)
+
+
 class FinishResponse(serializers.Serializer):
     job_state = serializers.ChoiceField(
         choices=[JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED]
@@ -286,6 +363,9 @@ class StatusActive(serializers.Serializer):
     instance_id = serializers.IntegerField(allow_null=True)
     task_id = serializers.IntegerField(allow_null=True)
     workflow = serializers.CharField(allow_null=True)
+    # The instance whose spawn step created this job's task (issue 10); null for any other.
+    parent_instance_id = serializers.IntegerField(allow_null=True)
+    hook = serializers.ChoiceField(choices=OUTCOMES, allow_null=True, help_text="the outcome whose hook this job runs")
     worker_id = serializers.CharField()
     attempt_number = serializers.IntegerField()
     lease_expires_at = serializers.DateTimeField()

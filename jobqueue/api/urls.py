@@ -24,6 +24,10 @@ urlpatterns = [
         name="attempt-heartbeat",
     ),
     re_path(r"^attempts/(?P<attempt_id>[0-9]{1,18})/finish\Z", views.FinishView.as_view(), name="attempt-finish"),
+    re_path(r"^attempts/(?P<attempt_id>[0-9]{1,18})/records\Z", views.AttemptRecordView.as_view(), name="attempt-records"),
+    re_path(
+        r"^attempts/(?P<attempt_id>[0-9]{1,18})/records/list\Z", views.AttemptRecordsView.as_view(), name="attempt-records-list"
+    ),
     path("status", views.StatusView.as_view(), name="status"),
     path("schema/", views.SchemaView.as_view(), name="schema"),
     re_path(r"", views.UnknownPathView.as_view()),

@@ -30,6 +30,9 @@ from .schema import AUTHENTICATE_HEADER, PROTOCOL_HEADER, responses
 from .throttle import claims as claim_budget
 
 PROTOCOL_VERSION = 1
+# What this control plane offers beyond protocol 1's first version; a worker uses only what is listed
+# (a control plane from before them lists nothing, and its worker then runs no publish or spawn step).
+FEATURES = ("journal",)
 DEFER_CLAIM = "apiary.defer_claim"  # request.META flag: ClaimView validates, returns a Deferred
 
 
@@ -140,6 +143,7 @@ class RegisterView(ProtocolView):
             "lease_duration": cfg.lease_duration,
             "heartbeat_interval": cfg.heartbeat_interval,
             "worker_timeout": cfg.worker_timeout,
+            "features": list(FEATURES),
             "worker": worker,
         }
         return Response(s.RegisterResponse(answer).data)
@@ -205,7 +209,11 @@ class AttemptHeartbeatView(ProtocolView):
     )
     def post(self, request, attempt_id: str):
         data = self.validated(s.AttemptHeartbeatSerializer, request)
-        beat = services.attempt_heartbeat(attempt_id=int(attempt_id), acting_as=principal_id(request), **data)
+        checkpoint, who = data.pop("checkpoint"), principal_id(request)
+        if checkpoint is None:
+            beat = services.attempt_heartbeat(attempt_id=int(attempt_id), acting_as=who, **data)
+        else:
+            beat = services.attempt_heartbeat_with_checkpoint(attempt_id=int(attempt_id), acting_as=who, **data, **checkpoint)
         return Response(s.AttemptHeartbeatResponse(beat).data)
 
 
@@ -224,6 +232,41 @@ class FinishView(ProtocolView):
         data = self.validated(s.FinishSerializer, request)
         job_state = services.attempt_finish(attempt_id=int(attempt_id), acting_as=principal_id(request), **data)
         return Response(s.FinishResponse({"job_state": job_state}).data)
+
+
+class AttemptRecordView(ProtocolView):
+    @extend_schema(parameters=[ATTEMPT_ID])
+    @_schema(
+        "attempts_record",
+        s.RecordSerializer,
+        s.RecordResponse,
+        "the record as it now is: `started` over `started` says whether an earlier attempt started it "
+        "(`started_earlier`); a `done` record is final, and writing over it answers it unchanged (`already_done`)",
+        not_found=UNKNOWN_ATTEMPT,
+        conflict=STALE,
+        forbidden=FORBIDDEN,
+    )
+    def post(self, request, attempt_id: str):
+        data = self.validated(s.RecordSerializer, request)
+        record = services.job_record(attempt_id=int(attempt_id), acting_as=principal_id(request), **data)
+        return Response(s.RecordResponse({"record": record}).data)
+
+
+class AttemptRecordsView(ProtocolView):
+    @extend_schema(parameters=[ATTEMPT_ID])
+    @_schema(
+        "attempts_records_list",
+        s.RecordsSerializer,
+        s.RecordsResponse,
+        "every record of the attempt's job, oldest first, whichever of its attempts wrote them",
+        not_found=UNKNOWN_ATTEMPT,
+        conflict=STALE,
+        forbidden=FORBIDDEN,
+    )
+    def post(self, request, attempt_id: str):
+        data = self.validated(s.RecordsSerializer, request)
+        records = services.job_records(attempt_id=int(attempt_id), acting_as=principal_id(request), **data)
+        return Response(s.RecordsResponse({"records": records}).data)
 
 
 class StatusView(ProtocolView):

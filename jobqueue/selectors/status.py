@@ -16,11 +16,19 @@ from .workers import active_jobs, worker_health, worker_is_draining, workers_all
 
 def payload_refs(payload) -> dict:
     """Protocol v1's status names the workflow, instance and task of each
-    active job. The queue stores none of them: they are payload keys the
-    enqueuer (workflows.services) writes, read here only to fill those fields."""
+    active job, the instance that spawned it and, for a hook job, the outcome
+    it follows (issue 10). The queue stores
+    none of them: they are payload keys the enqueuer (workflows.services)
+    writes, read here only to fill those fields."""
     payload = payload if isinstance(payload, dict) else {}
     task = payload.get("task") if isinstance(payload.get("task"), dict) else {}
-    return {"instance_id": payload.get("instance_id"), "task_id": task.get("id"), "workflow": payload.get("workflow")}
+    return {
+        "instance_id": payload.get("instance_id"),
+        "task_id": task.get("id"),
+        "workflow": payload.get("workflow"),
+        "parent_instance_id": payload.get("parent_instance_id"),
+        "hook": hook.get("outcome") if isinstance(hook := payload.get("hook"), dict) else None,
+    }
 
 
 def job_counts() -> dict[str, int]:

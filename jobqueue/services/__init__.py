@@ -14,6 +14,7 @@ transaction. Job and attempt states move only through
     credentials.py  worker_enroll, worker_reregister (who may register an id), credential_issue,
                   credential_used, credentials_revoke
     affinity.py   affinity_release (and the pin a claim takes)
+    records.py    job_record, job_records, attempt_heartbeat_with_checkpoint (a job's journal), record_of_job, records_of_job
 """
 
 from .affinity import affinity_release
@@ -22,6 +23,7 @@ from .claiming import claim_round, jobs_claim, requirement_cache
 from .common import hash_token
 from .credentials import credential_issue, credential_used, credentials_revoke, worker_enroll, worker_reregister
 from .jobs import job_cancel, job_enqueue, job_enqueue_in
+from .records import attempt_heartbeat_with_checkpoint, job_record, job_records, record_of_job, records_of_job
 from .workers import worker_drain, worker_heartbeat, worker_register, worker_undrain, workers_forget
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "affinity_release",
     "attempt_finish",
     "attempt_heartbeat",
+    "attempt_heartbeat_with_checkpoint",
     "claim_round",
     "credential_issue",
     "credential_used",
@@ -37,9 +40,13 @@ __all__ = [
     "job_cancel",
     "job_enqueue",
     "job_enqueue_in",
+    "job_record",
+    "job_records",
     "jobs_claim",
     "leases_expire",
     "reconcile",
+    "record_of_job",
+    "records_of_job",
     "requirement_cache",
     "worker_drain",
     "worker_enroll",

@@ -18,7 +18,7 @@ from ..wakeup import Wake
 from ..wakeup.emit import emit
 from .common import event, hash_token, now_of, postgres, service
 from .identity import acting_as as check_acting_as
-from .transitions import attempt_move, checked, job_move
+from .transitions import UNREAD, attempt_move, checked, job_move
 
 _jitter = random.Random()
 
@@ -40,6 +40,7 @@ class _Fenced:
     retry_backoff_max: float
     superseded: bool  # the worker id has registered again since this attempt's claim
     requirements_id: int
+    has_follow_ups: bool  # the finish reads them (sql.FOLLOW_UPS) only then
 
 
 def _fenced(cursor, attempt_id: int, token: str, n_ow, acting_as: str | None = None) -> _Fenced:
@@ -77,6 +78,15 @@ def _require_live(attempt_id: int, a: _Fenced) -> None:
         raise StaleAttempt(f"attempt {attempt_id}'s lease expired at {a.lease_expires_at}", attempt_id=attempt_id)
 
 
+def fenced_live(cursor, attempt_id: int, token: str, now: dt.datetime, acting_as: str | None = None) -> _Fenced:
+    """The attempt when `token` is its token and it is its job's current, live
+    attempt (its row and its job's locked on PostgreSQL); the same errors as a
+    heartbeat otherwise. For services that write on an attempt's behalf."""
+    fenced = _fenced(cursor, attempt_id, token, sql.ts(now), acting_as)
+    _require_live(attempt_id, fenced)
+    return fenced
+
+
 @service
 def attempt_heartbeat(
     *, attempt_id: int, token: str, acting_as: str | None = None, clock: Clock | None = None
@@ -84,11 +94,16 @@ def attempt_heartbeat(
     """Extend the lease to now + lease_duration; answers whether a cancel was requested."""
     now = now_of(clock)
     with connection.cursor() as cursor:
-        a = _fenced(cursor, attempt_id, token, sql.ts(now), acting_as)
-        _require_live(attempt_id, a)
-        expires = now + conf.current().lease
-        checked(cursor, sql.EXTEND_LEASE, [sql.ts(expires), sql.ts(now), attempt_id], f"lease of attempt {attempt_id}")
-    return Heartbeat(lease_expires_at=expires, cancel=bool(a.cancel_requested))
+        return extend_lease(cursor, attempt_id, token, now, acting_as)[1]
+
+
+def extend_lease(cursor, attempt_id: int, token: str, now: dt.datetime, acting_as: str | None) -> tuple[_Fenced, Heartbeat]:
+    """A heartbeat's work, in the caller's transaction (attempt_heartbeat's, or
+    records.attempt_heartbeat_with_checkpoint's): the fenced attempt and the answer."""
+    a = fenced_live(cursor, attempt_id, token, now, acting_as)
+    expires = now + conf.current().lease
+    checked(cursor, sql.EXTEND_LEASE, [sql.ts(expires), sql.ts(now), attempt_id], f"lease of attempt {attempt_id}")
+    return a, Heartbeat(lease_expires_at=expires, cancel=bool(a.cancel_requested))
 
 
 def _backoff(base: float, cap: float, failures: int) -> float:
@@ -144,8 +159,9 @@ def attempt_finish(
             detail |= {"retry_at": available.isoformat(), "failures": failures}
         else:
             job_move(
-                cursor, job_id=a.job_id, old=a.job_state, new=new_state, summary=summary, finished_at=now, reason=reason
-            )
+                cursor, job_id=a.job_id, old=a.job_state, new=new_state, summary=summary, finished_at=now,
+                reason=reason, follow_ups=UNREAD if a.has_follow_ups else "{}",
+            )  # fmt: skip
         event(cursor, job_id=a.job_id, kind="finished", at=now, worker_id=a.worker_id, attempt_id=attempt_id, **detail)
         retry_in = (available - now).total_seconds() if new_state == JobState.QUEUED else None
         _freed(cursor, a.job_id, a.requirements_id, retry_in)

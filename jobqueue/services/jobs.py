@@ -1,7 +1,7 @@
 """Putting jobs in the queue and taking them out by cancelling."""
 
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from django.db import IntegrityError, connection, transaction
 
@@ -14,6 +14,7 @@ from ..types import CLAIM_FIELDS, Retry
 from ..wakeup import Wake
 from ..wakeup.emit import emit
 from .common import event, now_of, postgres, service
+from .followups import checked_follow_ups
 from .transitions import checked, job_move
 
 
@@ -52,6 +53,7 @@ def job_enqueue_in(
     priority: int = 0,
     max_attempts: int | None = None,
     retry: Retry | None = None,
+    follow_ups: Mapping[str, list[dict]] | None = None,
     clock: Clock | None = None,
 ) -> tuple[Job, bool]:
     """Persist a job under its dedup `key`; returns (job, created).
@@ -65,7 +67,10 @@ def job_enqueue_in(
     This runs inside the caller's transaction, for a service of a layer above
     that writes its own rows together with the job (a workflow instance):
     both commit, or neither does. `job_enqueue` is the same as a service of
-    its own, committed when it returns, before any claim can see the job."""
+    its own, committed when it returns, before any claim can see the job.
+
+    `follow_ups` ({terminal state: [job spec, …]}, services/followups.py) are
+    enqueued in the transaction that settles this job in that state."""
     if not connection.in_atomic_block:
         raise RuntimeError("job_enqueue_in() runs inside its caller's transaction; use job_enqueue() otherwise")
     if not isinstance(payload, dict):
@@ -73,6 +78,7 @@ def job_enqueue_in(
     clashing = CLAIM_FIELDS.intersection(payload)
     if clashing:
         raise InvalidRequest(f"payload keys {sorted(clashing)} are the queue's own", field="payload")
+    follow_ups = checked_follow_ups(follow_ups)
     now = now_of(clock)
     existing = Job.objects.filter(key=key).first()
     if existing:
@@ -98,6 +104,7 @@ def job_enqueue_in(
                 retry_max_attempts=retry.max_attempts,
                 retry_backoff=retry.backoff,
                 retry_backoff_max=retry.backoff_max,
+                follow_ups=follow_ups,
                 created_at=now,
             )
     except IntegrityError:  # the same key enqueued concurrently (PostgreSQL)

@@ -12,7 +12,7 @@ than writing over a row another process moved.
 import datetime as dt
 
 from .. import sql
-from ..models import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS
+from ..models import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, TERMINAL_JOB_STATES
 
 
 class LostUpdate(RuntimeError):
@@ -40,9 +40,20 @@ def _move(cursor, table: str, transitions, row_id: int, old: str, new: str, colu
         raise LostUpdate(f"{table} {row_id} was not {old} any more (moving to {new})")
 
 
-def job_move(cursor, *, job_id: int, old: str, new: str, **columns) -> None:
-    """Move job `job_id` from `old` to `new`, setting `columns` (sql.JOB_COLUMNS)."""
+UNREAD = object()  # job_move's follow_ups when the caller did not read them with the job
+
+
+def job_move(cursor, *, job_id: int, old: str, new: str, follow_ups=UNREAD, **columns) -> None:
+    """Move job `job_id` from `old` to `new`, setting `columns` (sql.JOB_COLUMNS).
+    A move into a terminal state enqueues the job's follow-ups for that state in
+    the same transaction (services/followups.py): every path that settles a
+    job (finish, expiry, cancel) goes through here."""
     _move(cursor, "queue_job", JOB_TRANSITIONS, job_id, old, new, columns)
+    if new in TERMINAL_JOB_STATES:
+        from .followups import enqueue_follow_ups  # it enqueues jobs, whose services import this module
+
+        # Every settling move sets finished_at from its service's clock: the follow-ups are stamped with it.
+        enqueue_follow_ups(cursor, job_id, new, None if follow_ups is UNREAD else follow_ups, now=columns["finished_at"])
 
 
 def attempt_move(cursor, *, attempt_id: int, old: str, new: str, **columns) -> None:

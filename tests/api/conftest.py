@@ -21,7 +21,7 @@ from django.test import Client
 from django.test.client import ClientHandler
 from requests.structures import CaseInsensitiveDict
 
-from jobqueue.models import Affinity, Attempt, Job, JobEvent, RequirementSet, Worker, WorkerCredential
+from jobqueue.models import Affinity, Attempt, Job, JobEvent, JobRecord, RequirementSet, Worker, WorkerCredential
 from jobqueue.types import WORKER_ID_RE, hash_token
 from workflows.models import Task, WorkflowInstance
 
@@ -29,7 +29,9 @@ CANARY = "canary-wt-5c1f0e7b9a2d4863b1e8"
 BASE = "/api/worker/v1/"
 AUTO = object()  # the token a call needs: the named worker's credential, else the shared (canary) token
 
-QUEUE_MODELS = (Job, Attempt, JobEvent, Worker, WorkerCredential, Affinity, WorkflowInstance, Task, RequirementSet)
+QUEUE_MODELS = (
+    Job, Attempt, JobEvent, JobRecord, Worker, WorkerCredential, Affinity, WorkflowInstance, Task, RequirementSet
+)
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +117,7 @@ def _worker_named(path: str, body) -> str | None:
     parts = path.removeprefix(BASE).split("?")[0].split("/")
     if parts[0] == "workers" and len(parts) == 3:
         return parts[1]
-    if parts[0] == "attempts" and len(parts) == 3:
+    if parts[0] == "attempts" and len(parts) >= 3:  # attempts/{id}/heartbeat, …/records/list
         owner = None
         if parts[1].isdigit() and int(parts[1]) < 2**63:
             with contextlib.suppress(DatabaseError):  # a test making every query fail: the call gets its 503

@@ -194,6 +194,8 @@ def test_schema_is_an_openapi_document_of_every_endpoint(api):
         "/api/worker/v1/claims",
         "/api/worker/v1/attempts/{attempt_id}/heartbeat",
         "/api/worker/v1/attempts/{attempt_id}/finish",
+        "/api/worker/v1/attempts/{attempt_id}/records",
+        "/api/worker/v1/attempts/{attempt_id}/records/list",
         "/api/worker/v1/status",
     }
     scheme = document["components"]["securitySchemes"]["workerToken"]

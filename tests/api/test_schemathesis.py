@@ -73,6 +73,8 @@ def test_the_document_lists_every_operation(schema):
         "POST /api/worker/v1/claims",
         "POST /api/worker/v1/attempts/{attempt_id}/heartbeat",
         "POST /api/worker/v1/attempts/{attempt_id}/finish",
+        "POST /api/worker/v1/attempts/{attempt_id}/records",
+        "POST /api/worker/v1/attempts/{attempt_id}/records/list",
         "GET /api/worker/v1/status",
     }
 
@@ -114,6 +116,17 @@ def test_successful_answers_conform(schema, world):
         ("POST /api/worker/v1/claims", {}, {"worker_id": world.worker_id, "session": world.session, "max_jobs": 5}),
         ("POST /api/worker/v1/attempts/{attempt_id}/heartbeat", {"attempt_id": str(a.attempt_id)}, {"token": a.token}),
         (
+            "POST /api/worker/v1/attempts/{attempt_id}/heartbeat",
+            {"attempt_id": str(a.attempt_id)},
+            {"token": a.token, "checkpoint": {"step": "plan", "content": "turn 1"}},
+        ),
+        (
+            "POST /api/worker/v1/attempts/{attempt_id}/records",
+            {"attempt_id": str(a.attempt_id)},
+            {"token": a.token, "key": "publish:open-pr", "state": "done", "value": {"output": "ok"}},
+        ),
+        ("POST /api/worker/v1/attempts/{attempt_id}/records/list", {"attempt_id": str(a.attempt_id)}, {"token": a.token}),
+        (
             "POST /api/worker/v1/attempts/{attempt_id}/finish",
             {"attempt_id": str(a.attempt_id)},
             {"token": a.token, "outcome": "succeeded", "summary": {"k": [1, "v"]}, "error": None},
@@ -138,4 +151,4 @@ def test_successful_answers_conform(schema, world):
         statuses.append(call(case, CONFORMANCE, as_worker).status_code)
     response = call(ops["GET /api/worker/v1/status"].Case(), CONFORMANCE)
     assert response.status_code == 200
-    assert statuses == [200, 200, 200, 200, 200, 409, 200, 409]
+    assert statuses == [200, 200, 200, 200, 200, 200, 200, 200, 409, 200, 409]

@@ -5,9 +5,12 @@ finish (with the right token, a wrong one, or any token ever issued), cancel
 (job or instance, queued or leased), time passing followed by the reaper or
 by a claim before the reaper, worker heartbeats
 (draining, unready), re-registration (a new session) and calls with the
-superseded session, operator drain/undrain, affinity release. Three workers in
-two pools with different labels and capabilities share tight limits on every
-dimension.
+superseded session, operator drain/undrain, affinity release, and journal
+writes (`publish:*` records, started or done, with the current attempt's
+token, a finished or stale attempt's, or a wrong one). Some jobs carry
+follow-ups (hooks, issue 10): one job per terminal state, which the queue
+enqueues as the job settles. Three workers in two pools with different labels
+and capabilities share tight limits on every dimension.
 
 Each rule checks the service's answer against the model (a claimed job must
 be eligible, the best eligible job must be among those claimed, a short claim
@@ -15,7 +18,11 @@ means nothing else was eligible, a stale call raises and changes no row), and
 after every step the invariants compare the database with the model: never
 two active attempts for a job, no limit or capacity exceeded counting live
 attempts, a terminal state never changes, every state change is an edge of
-JOB_TRANSITIONS, and no job is lost.
+JOB_TRANSITIONS, and no job is lost; the journal is exactly what live
+attempts wrote (no record by a stale or wrong token), a done record never
+changes (each publish has at most one recorded success), each settled job with
+hooks has exactly its outcome's follow-up (and an unsettled one none), and no
+job has more than one succeeded attempt (no hook runs twice to success).
 
 Services commit their own durable transactions, so an example cannot be
 rolled back: each one starts by deleting every queue row.
@@ -50,14 +57,16 @@ from jobqueue.models import (
     AttemptState,
     Job,
     JobEvent,
+    JobRecord,
     JobState,
+    RecordState,
     RequirementSet,
     Worker,
 )
 from jobqueue.types import Retry
 from tests.factories import enqueue_job, snapshot
 from workflows.models import Task, WorkflowInstance
-from workflows.services import affinity_key
+from workflows.services import affinity_key, enqueue_key
 
 # How a stale token is turned away: stale, or superseded when its worker id has registered again since.
 REFUSED = (StaleAttempt, SessionSuperseded)
@@ -105,8 +114,12 @@ JOB_SPECS = st.fixed_dictionaries(
         "priority": st.integers(0, 2),
         "max_attempts": st.sampled_from([3, 2, 1]),
         "retry": st.sampled_from([True, False]),
+        "hooks": st.sampled_from([True, False]),  # follow-ups for each terminal state
     }
 )
+PUBLISH_KEYS = st.sampled_from(["publish:open-pr", "publish:tag"])
+RECORD_STATES = st.sampled_from([RecordState.STARTED, RecordState.DONE])
+HOOK_CAPABILITIES = frozenset({"apiary.workflow", "runner:shell"})
 
 
 @dataclasses.dataclass
@@ -127,6 +140,10 @@ class MJob:
     failures: int = 0
     cancel_requested: bool = False
     current: int | None = None
+    key: str = ""
+    hooks: bool = False  # carries a follow-up (a hook job) for each terminal state
+    hook_job: int | None = None  # the follow-up enqueued as it settled
+    instance: bool = True  # a workflow instance's job (hook jobs are not)
 
     @property
     def rank(self):
@@ -140,8 +157,17 @@ class MAttempt:
     worker_id: str
     token: str
     lease_expires_at: dt.datetime
+    number: int = 0
     state: str = AttemptState.ACTIVE
     job_state_after: str = ""  # what its finish answered
+
+
+@dataclasses.dataclass
+class MRecord:
+    state: str
+    value: dict
+    attempt_number: int
+    started_by: int | None
 
 
 @dataclasses.dataclass
@@ -183,6 +209,8 @@ class QueueMachine(RuleBasedStateMachine):
         for worker_id in WORKERS:
             self.workers[worker_id] = MWorker(session=self._register(worker_id).session)
         self.seen_states: dict[int, str] = {}
+        self.records: dict[tuple[int, str], MRecord] = {}  # what live attempts wrote
+        self.seen_done: dict[tuple[int, str], tuple] = {}
 
     def teardown(self):
         set_clock(self._previous_clock)
@@ -229,10 +257,32 @@ class QueueMachine(RuleBasedStateMachine):
         )
 
     def _expect_unchanged(self, call, error):
-        before = snapshot()
+        before = snapshot(), list(JobRecord.objects.order_by("pk").values())
         with pytest.raises(error):
             call()
-        assert snapshot() == before
+        assert (snapshot(), list(JobRecord.objects.order_by("pk").values())) == before
+
+    def _settled(self, job: MJob) -> None:
+        """The job reached a terminal state: its follow-up for that state is queued (in the model)."""
+        if not job.hooks or job.state not in TERMINAL_JOB_STATES or job.hook_job is not None:
+            return
+        row = Job.objects.get(key=f"{job.key}:hook:{job.state}")
+        task = next(t for t in self.tasks if t.pk == job.task_id)
+        job.hook_job = row.pk
+        self.jobs[row.pk] = MJob(
+            id=row.pk,
+            task_id=job.task_id,
+            keys={"project": "p1", "source": task.source, "agent": "a2", "runner": "shell", "pool": None},
+            labels=frozenset(),
+            capabilities=HOOK_CAPABILITIES,
+            affinity=False,
+            priority=0,
+            max_attempts=2,
+            retry_max=RETRY.max_attempts,
+            available_at=row.available_at,
+            key=row.key,
+            instance=False,
+        )
 
     def _expire_in_model(self, a: MAttempt) -> None:
         a.state = AttemptState.EXPIRED
@@ -246,6 +296,7 @@ class QueueMachine(RuleBasedStateMachine):
             job.state = JobState.FAILED
         else:
             job.state, job.available_at, job.current = JobState.QUEUED, self.now, None
+        self._settled(job)
 
     # ------------------------------------------------------------------ rules
 
@@ -261,7 +312,7 @@ class QueueMachine(RuleBasedStateMachine):
             self._enqueue_one(**spec)
 
     def _enqueue_one(
-        self, again, pick, pool, labels, docker, runner, project, agent, affinity, priority, max_attempts, retry
+        self, again, pick, pool, labels, docker, runner, project, agent, affinity, priority, max_attempts, retry, hooks
     ):
         n = len(self.by_key)
         if again or n == len(TASKS) * len(WORKFLOWS):
@@ -287,6 +338,7 @@ class QueueMachine(RuleBasedStateMachine):
             priority=priority,
             max_attempts=max_attempts,
             retry=RETRY if retry else None,
+            follow_ups=self._hook_specs(task, workflow) if hooks else None,
         )
         if existing:
             assert (job.pk, created) == (existing, False)
@@ -305,7 +357,23 @@ class QueueMachine(RuleBasedStateMachine):
             max_attempts=max_attempts,
             retry_max=RETRY.max_attempts if retry else 1,
             available_at=self.now,
+            key=job.key,
+            hooks=hooks,
         )
+
+    def _hook_specs(self, task: Task, workflow: str) -> dict:
+        """A follow-up job per terminal state, as dispatch makes hooks (key `<job key>:hook:<state>`)."""
+        key = enqueue_key(task, workflow)
+        return {
+            state: [
+                {
+                    "key": f"{key}:hook:{state}", "payload": {"hook": str(state)}, "project": "p1",
+                    "source": task.source, "agent": "a2", "runner": "shell", "capabilities": sorted(HOOK_CAPABILITIES),
+                    "max_attempts": 2, "retry": dataclasses.asdict(RETRY),
+                }
+            ]
+            for state in TERMINAL_JOB_STATES
+        }  # fmt: skip
 
     @rule(worker_id=WORKER_IDS, max_jobs=st.sampled_from([3, 1, 2]))
     def claim(self, worker_id, max_jobs):
@@ -327,7 +395,7 @@ class QueueMachine(RuleBasedStateMachine):
             assert c.lease_expires_at == self.now + dt.timedelta(seconds=LEASE)
             assert all(c.token != a.token for a in self.attempts)
             job.state, job.current, job.attempt_count = JobState.LEASED, c.attempt_id, job.attempt_count + 1
-            self.attempts.append(MAttempt(c.attempt_id, job.id, worker_id, c.token, c.lease_expires_at))
+            self.attempts.append(MAttempt(c.attempt_id, job.id, worker_id, c.token, c.lease_expires_at, c.attempt_number))
             if job.affinity:
                 self.pins.setdefault(job.task_id, worker_id)
             for d, k in job.keys.items():
@@ -400,6 +468,7 @@ class QueueMachine(RuleBasedStateMachine):
             expected = JobState.QUEUED if job.failures < job.retry_max else JobState.FAILED
         assert call() == expected
         a.state, a.job_state_after, job.state = outcome, expected, expected
+        self._settled(job)
         if expected == JobState.QUEUED:
             job.current = None
             job.available_at = Job.objects.get(pk=job.id).available_at
@@ -487,7 +556,7 @@ class QueueMachine(RuleBasedStateMachine):
             self.workers[worker_id].drain_requested = what == "drain"
 
     def _cancel(self, job: MJob, by_instance: bool):
-        if by_instance:
+        if by_instance and job.instance:
             instance = WorkflowInstance.objects.get(job_id=job.id)
             call = lambda: services.job_cancel(job_id=instance.job_id)  # noqa: E731
         else:
@@ -501,19 +570,83 @@ class QueueMachine(RuleBasedStateMachine):
         job.cancel_requested = True
         if job.state == JobState.QUEUED:
             job.state = JobState.CANCELLED
+            self._settled(job)
+
+    @precondition(lambda self: self.attempts)
+    @rule(to=st.tuples(TARGET, PUBLISH_KEYS, RECORD_STATES))
+    def publish_record(self, to):
+        """An attempt records a publish `started` (before its command) or `done` (after), as the
+        executor does, through its own token: live, finished or long stale, or a wrong one."""
+        (which, pick, wrong_token), key, state = to
+        a = self._choose(which, pick)
+        value = {"output": f"attempt {a.id}"} if state == RecordState.DONE else {}
+        call = lambda: services.job_record(  # noqa: E731
+            attempt_id=a.id, token=WRONG_TOKEN if wrong_token else a.token, key=key, state=state, value=value
+        )
+        if wrong_token or not self._live(a):
+            self._expect_unchanged(call, REFUSED)  # a stale attempt records nothing
+            return
+        old = self.records.get((a.job_id, key))
+        answer = call()
+        if old is None:
+            new = MRecord(state, value, a.number, a.number if state == RecordState.STARTED else None)
+            expected = (new.state, new.value, new.attempt_number, new.started_by, False)
+        elif old.state == RecordState.DONE:  # final: nothing changes, the answer is the record
+            new = old
+            expected = (old.state, old.value, old.attempt_number, old.started_by, True)
+        elif state == RecordState.STARTED:  # the first starter stays: the answer says who started it first
+            new = MRecord(state, value, a.number, old.started_by)
+            expected = (state, value, a.number, old.started_by, False)
+            assert answer.started_earlier == (old.started_by != a.number)
+        else:
+            new = MRecord(state, value, a.number, old.started_by)
+            expected = (state, value, a.number, old.started_by, False)
+        assert (answer.key, answer.state, answer.value, answer.attempt_number, answer.started_by, answer.already_done) == (
+            key, *expected
+        )
+        self.records[(a.job_id, key)] = new
 
     # ------------------------------------------------------------------ invariants
 
     @invariant()
     def database_agrees_with_the_guarantees(self):
-        # Three queries per step, then every check in Python.
-        jobs = {row[0]: row for row in Job.objects.values_list("id", "state", "current_attempt_id", *DIMENSIONS)}
+        # Four queries per step, then every check in Python.
+        jobs = {row[0]: row for row in Job.objects.values_list("id", "state", "current_attempt_id", *DIMENSIONS, "key")}
         attempts = list(Attempt.objects.values_list("id", "job_id", "worker_id", "state", "lease_expires_at"))
         pins = {int(key.removeprefix("task:")): w for key, w in Affinity.objects.values_list("key", "worker_id")}
+        records = {
+            (job_id, key): MRecord(state, value, number, started_by)
+            for job_id, key, state, value, number, started_by in JobRecord.objects.values_list(
+                "job_id", "key", "state", "value", "attempt_number", "started_by"
+            )
+        }
+        keys = {job_id: row[-1] for job_id, row in jobs.items()}
+        jobs = {job_id: row[:-1] for job_id, row in jobs.items()}
         self._no_job_lost(jobs, attempts, pins)
         self._at_most_one_active_attempt_per_job(jobs, attempts)
         self._limits_and_capacity_hold(jobs, attempts)
         self._states_move_only_along_edges_and_terminal_never_changes(jobs)
+        self._the_journal_is_what_live_attempts_wrote_and_done_is_final(records)
+        self._each_hook_once_per_outcome_and_no_job_succeeds_twice(jobs, keys, attempts)
+
+    def _the_journal_is_what_live_attempts_wrote_and_done_is_final(self, records):
+        assert records == self.records  # a stale or wrong token wrote nothing (and every live write is there)
+        for where, record in records.items():
+            if record.state == RecordState.DONE:
+                done = (record.value, record.attempt_number)
+                assert self.seen_done.setdefault(where, done) == done, f"done record {where} changed"
+        assert set(self.seen_done) <= set(records)
+
+    def _each_hook_once_per_outcome_and_no_job_succeeds_twice(self, jobs, keys, attempts):
+        by_key = {key: job_id for job_id, key in keys.items()}
+        for job in self.jobs.values():
+            if not job.hooks:
+                continue
+            hooks = {key for key in by_key if key.startswith(f"{job.key}:hook:")}
+            state = jobs[job.id][1]
+            assert hooks == ({f"{job.key}:hook:{state}"} if state in TERMINAL_JOB_STATES else set()), (job.id, state, hooks)
+        succeeded = Counter(a[1] for a in attempts if a[3] == AttemptState.SUCCEEDED)
+        assert all(n == 1 for n in succeeded.values()), succeeded
 
     def _no_job_lost(self, jobs, attempts, pins):
         states = {job_id: row[1] for job_id, row in jobs.items()}

@@ -158,7 +158,7 @@ class FinishFailsTwice:
 
 
 class Done:
-    def run(self, claim, cancel, *, grace):
+    def run(self, claim, cancel, *, grace, journal=None):
         return Outcome("succeeded", {})
 
 

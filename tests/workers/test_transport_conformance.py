@@ -35,7 +35,7 @@ import pytest
 from django.db import connection
 
 from jobqueue import services
-from jobqueue.exceptions import QueueError, SessionSuperseded, StaleAttempt
+from jobqueue.exceptions import InvalidRequest, QueueError, SessionSuperseded, StaleAttempt
 from jobqueue.models import Attempt, AttemptState, Job, JobState, Worker
 from tests.api.conftest import CANARY
 from tests.factories import enqueue, instance_id, make_task, task_id
@@ -44,6 +44,7 @@ from tests.workers.connections import hang_up_all
 from workers.credentials import CredentialFile
 from workers.executor import Outcome
 from workers.http import HttpTransport
+from workers.journal import Checkpoint, JournalError
 from workers.localdb import LocalDB
 from workers.runtime import WorkerRuntime
 from workers.transport import InProcessTransport, TransportError, WorkerSpec
@@ -80,7 +81,7 @@ class FakeExecutor:
         self.cancelled = threading.Event()
         self.claims = []
 
-    def run(self, claim, cancel, *, grace) -> Outcome:
+    def run(self, claim, cancel, *, grace, journal=None) -> Outcome:
         self.claims.append(claim)
         self.started.set()
         while self.hold and not self.release.is_set():
@@ -137,6 +138,12 @@ class Wire:
             return self.inner.finish(**args)
 
         return self._call("finish", send, **args)
+
+    def record(self, **args):
+        return self._call("record", self.inner.record, **args)
+
+    def records(self, **args):
+        return self._call("records", self.inner.records, **args)
 
     def close(self):
         self.inner.close()
@@ -495,3 +502,115 @@ def test_a_claimed_job_whose_executor_succeeds_ends_succeeded_after_exactly_one_
     [attempt] = attempts_of(job)
     assert attempt.state == AttemptState.SUCCEEDED
     assert runtime.claim_once() == 0  # nothing left to claim
+
+
+def test_the_journal_is_written_and_read_through_the_attempt_and_a_checkpoint_rides_a_heartbeat(make_transport, clock):
+    """record/records/heartbeat(checkpoint=…) behave the same over both transports
+    (jobqueue/services/records.py says the rules)."""
+    job = enqueue()
+    transport = make_transport("w1")
+    session = transport.register(spec("w1")).session
+    [claim] = transport.claim(session=session, max_jobs=1, wait=0)
+    fence = {"attempt_id": claim.attempt_id, "token": claim.token}
+
+    started = transport.record(**fence, key="publish:open-pr", state="started", value={})
+    assert (started.key, started.state, started.attempt_number, started.started_by) == ("publish:open-pr", "started", 1, 1)
+    assert not started.started_earlier and not started.already_done
+    done = transport.record(**fence, key="publish:open-pr", state="done", value={"output": "https://example/pr/1"})
+    assert (done.state, done.value, done.already_done) == ("done", {"output": "https://example/pr/1"}, False)
+    again = transport.record(**fence, key="publish:open-pr", state="started", value={})
+    assert again.already_done and again.value == {"output": "https://example/pr/1"}
+
+    clock.advance(1)
+    beat = transport.heartbeat(**fence, checkpoint=("implement", "session 42, turn 3"))
+    assert beat.lease_expires_at == in_seconds(clock, LEASE) and beat.cancel is False
+    assert transport.heartbeat(**fence).lease_expires_at == in_seconds(clock, LEASE)  # old callers: no checkpoint
+
+    journal = transport.records(**fence)
+    assert [(r.key, r.state, r.value) for r in journal] == [
+        ("publish:open-pr", "done", {"output": "https://example/pr/1"}),
+        ("checkpoint:implement", "started", {"content": "session 42, turn 3"}),
+    ]
+    assert error_of(lambda: transport.record(**fence, key="k", state="finished", value={})) is InvalidRequest
+    assert error_of(lambda: transport.heartbeat(**fence, checkpoint=("not a step id", "x"))) is InvalidRequest
+
+    transport.finish(**fence, outcome="succeeded", summary={}, error=None)
+    assert error_of(lambda: transport.record(**fence, key="late", state="done", value={})) is StaleAttempt
+    assert error_of(lambda: transport.records(**fence)) is StaleAttempt
+    assert error_of(lambda: transport.heartbeat(**fence, checkpoint=("implement", "late"))) is StaleAttempt
+    assert set(services.records_of_job(job.pk)) == {"publish:open-pr", "checkpoint:implement"}
+
+
+def test_a_full_checkpoint_of_characters_json_escapes_is_read_back(make_transport, clock):
+    """A checkpoint at its cap (MAX_CHECKPOINT_BYTES of UTF-8) is larger than a record's value cap
+    once JSON escapes it; the worker's check of the journal answer still takes it, or no attempt
+    after a crash could read its journal."""
+    from jobqueue.types import MAX_CHECKPOINT_BYTES
+
+    enqueue()
+    transport = make_transport("w1")
+    session = transport.register(spec("w1")).session
+    [claim] = transport.claim(session=session, max_jobs=1, wait=0)
+    fence = {"attempt_id": claim.attempt_id, "token": claim.token}
+    content = "\x01" * MAX_CHECKPOINT_BYTES  # each one "\u0001" (6 bytes) in JSON
+    transport.heartbeat(**fence, checkpoint=("agent", content))
+    [record] = transport.records(**fence)
+    assert (record.key, record.value) == ("checkpoint:agent", {"content": content})
+
+
+class JournalExecutor:
+    """An executor that uses its journal as the workflow executor does: reads it, records a
+    publish's start, points its checkpoint slot at a file, then holds; once released it
+    records the publish done (which a stale attempt cannot)."""
+
+    def __init__(self, checkpoint_file):
+        self.file = checkpoint_file
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.seen: dict = {}
+        self.error: JournalError | None = None
+
+    def run(self, claim, cancel, *, grace, journal) -> Outcome:
+        try:
+            self.seen = journal.records()
+            journal.record("publish:open-pr", "started", {})
+            self.file.write_text("session 42, turn 3")
+            journal.checkpoint = Checkpoint("implement", self.file)
+            self.started.set()
+            self.release.wait(WAIT)
+            journal.record("publish:open-pr", "done", {"output": "https://example/pr/1"})
+        except JournalError as exc:
+            self.error = exc
+            return Outcome("failed", {}, str(exc))
+        return Outcome("succeeded", {})
+
+
+def test_the_runtime_gives_the_executor_its_jobs_journal_and_heartbeats_carry_its_checkpoint(make_runtime, tmp_path, clock):
+    """Over both transports: the executor's journal writes through the claim's attempt, a changed
+    checkpoint file rides the next heartbeat once (an unchanged one is not resent), and a journal
+    write refused as stale discards the job's result, as a stale heartbeat does."""
+    job = enqueue()
+    executor = JournalExecutor(tmp_path / "checkpoint")
+    runtime = make_runtime(executor)
+    assert runtime.claim_once() == 1
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to hold")
+
+    tick(runtime)
+    runtime.heartbeat_once()
+    tick(runtime)
+    runtime.heartbeat_once()
+    sent = [c.args.get("checkpoint") for c in runtime.transport.of("heartbeat")]
+    assert sent == [("implement", "session 42, turn 3"), None]
+
+    clock.advance(LEASE + 1)
+    services.leases_expire()  # the worker paused past its lease
+    executor.release.set()
+    runtime.reap(wait=True)
+
+    assert executor.seen == {} and executor.error is not None and not executor.error.current
+    assert runtime.transport.of("finish") == []  # the stale write discarded the result: no finish sent
+    records = services.records_of_job(job.pk)
+    assert {key: (r.state, r.value) for key, r in records.items()} == {
+        "publish:open-pr": ("started", {}),
+        "checkpoint:implement": ("started", {"content": "session 42, turn 3"}),
+    }

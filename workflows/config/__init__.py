@@ -13,7 +13,7 @@ every string value → one checker per section → cross-checks between sections
 Modules, in the order a file goes through them:
 
 * `loading`  — find_config_path, load, the YAML loader, interpolation
-* `sections` — the top level, agents, workflows (steps, retry), sources
+* `sections` — the top level, agents, workflows (steps, retry, hooks), sources
 * `settings` — `settings` and `settings.queue`, with their cross-checks
 * `checker`  — `_Checker` (collects errors) and the per-value readers
 * `schema`   — the frozen dataclasses and the keys each section accepts

@@ -8,6 +8,7 @@ Reading a file into a `Config` is the other modules' job (`loading` first).
 
 import dataclasses
 import ipaddress
+from collections.abc import Mapping
 from pathlib import Path
 
 from jobqueue import conf
@@ -44,6 +45,12 @@ class StepConfig:
     timeout: float | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     continue_on_error: bool = False
+    publish: bool = False  # an external effect: succeeds at most once per instance (run steps only)
+    spawn: bool = False  # stdout JSON lines become child tasks, once (run steps only)
+
+
+# A workflow's `hooks` keys, each with the terminal job state (the outcome) it runs for.
+HOOK_KEYS = {"on_success": "succeeded", "on_failure": "failed", "on_cancel": "cancelled"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +61,9 @@ class WorkflowConfig:
     timeout: float | None = None
     retry: Retry = Retry()  # the queue's boundary type, so the policy and its defaults are defined once
     priority: int = 0
+    # {terminal job state (succeeded | failed | cancelled): the run steps of its hook, in order}, for the
+    # `hooks` keys given (HOOK_KEYS); keyed by the job state, the name the queue and the hook job use.
+    hooks: Mapping[str, tuple[StepConfig, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +203,9 @@ AGENT_KEYS = (
     "workspace_affinity",
     "env",
 )
-WORKFLOW_KEYS = ("id", "agent", "steps", "timeout", "retry", "priority")
-STEP_KEYS = ("id", "prompt", "run", "timeout", "env", "continue_on_error")
+WORKFLOW_KEYS = ("id", "agent", "steps", "timeout", "retry", "priority", "hooks")
+STEP_KEYS = ("id", "prompt", "run", "timeout", "env", "continue_on_error", "publish", "spawn")
+HOOK_STEP_KEYS = ("id", "run", "timeout", "env")
 RETRY_KEYS = ("max_attempts", "backoff", "backoff_max")
 SOURCE_KEYS = ("id", "type", "workflows", "poll_interval", "path", "pattern", "redispatch_on_change", "command")
 # Keys that belong to one source type: given on a source of the other type, they are an error.

@@ -21,6 +21,9 @@ from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
 from .schema import (
     _SOURCE_TYPE_KEYS,
     AGENT_KEYS,
+    HOOK_KEYS,
+    HOOK_STEP_KEYS,
+    MAX_ID_LENGTH,
     RETRY_KEYS,
     SOURCE_KEYS,
     SOURCE_TYPES,
@@ -145,6 +148,7 @@ def _workflows(check: _Checker, raw: Any, agents: Mapping[str, AgentConfig]) -> 
             check.error(f"{path}.agent", _known("agent", agent, agents))
         steps = _steps(check, entry.get("steps"), f"{path}.steps")
         retry = _retry(check, entry.get("retry"), f"{path}.retry")
+        hooks = _hooks(check, entry.get("hooks"), f"{path}.hooks")
         workflow = WorkflowConfig(
             id=ident or "",
             agent=agent or "",
@@ -152,6 +156,7 @@ def _workflows(check: _Checker, raw: Any, agents: Mapping[str, AgentConfig]) -> 
             timeout=check.duration(entry.get("timeout"), f"{path}.timeout"),
             retry=retry,
             priority=_default(check.integer(entry.get("priority"), f"{path}.priority", minimum=-(2**31)), 0),
+            hooks=hooks,
         )
         if ident is not None:
             workflows[ident] = workflow
@@ -177,6 +182,20 @@ def _steps(check: _Checker, raw: Any, path: str) -> tuple[StepConfig, ...]:
             check.error(
                 f"{step_path}.prompt", "required: a step needs prompt (sent to the agent) or run (a shell command)"
             )
+        publish = _default(check.boolean(entry.get("publish"), f"{step_path}.publish"), False)
+        spawn = _default(check.boolean(entry.get("spawn"), f"{step_path}.spawn"), False)
+        if publish and spawn:
+            check.error(
+                f"{step_path}.spawn", "a step is either publish (one external effect) or spawn (child tasks), not both"
+            )
+        elif (publish or spawn) and given == ["prompt"]:
+            # The effect ledger fences a command Apiary runs; what an agent does during a prompt is its own.
+            key = "publish" if publish else "spawn"
+            check.error(
+                f"{step_path}.{key}",
+                f"only a run step can be {key}: a prompt's effects are the agent's, not one command Apiary can "
+                "record; put the external write (or the child list) in a run step",
+            )
         steps.append(
             StepConfig(
                 id=ident or "",
@@ -187,6 +206,69 @@ def _steps(check: _Checker, raw: Any, path: str) -> tuple[StepConfig, ...]:
                 continue_on_error=_default(
                     check.boolean(entry.get("continue_on_error"), f"{step_path}.continue_on_error"), False
                 ),
+                publish=publish,
+                spawn=spawn,
+            )
+        )
+    return tuple(steps)
+
+
+def _hooks(check: _Checker, raw: Any, path: str) -> dict[str, tuple[StepConfig, ...]]:
+    """`hooks: {on_success|on_failure|on_cancel: [run steps]}` as {terminal job state: steps}."""
+    section = check.mapping(raw, path, HOOK_KEYS) or {}
+    return {
+        state: _hook_steps(check, section[key], f"{path}.{key}")
+        for key, state in HOOK_KEYS.items()
+        if section.get(key) is not None
+    }
+
+
+# A hook step's history id is `hook:<outcome>:<id>` (workflows.executor), kept beside the instance's step rows.
+MAX_HOOK_STEP_ID = MAX_ID_LENGTH - max(len(f"hook:{state}:") for state in HOOK_KEYS.values())
+
+
+def _hook_steps(check: _Checker, raw: Any, path: str) -> tuple[StepConfig, ...]:
+    """A hook's run steps: `run` required, `timeout` and `env` as a step's; ids default to hook-1, hook-2, …"""
+    if isinstance(raw, list) and not raw:
+        check.error(path, "expected at least one run step (or leave the hook out)")
+    steps: list[StepConfig] = []
+    seen: dict[str, str] = {}
+    for position, (step_path, entry) in enumerate(_entries(check, raw, path, "steps"), start=1):
+        # A step key a hook does not take gets its reason, not a bare "unknown key".
+        for key in STEP_KEYS:
+            if key not in HOOK_STEP_KEYS and key in entry:
+                check.error(
+                    f"{step_path}.{key}", f"not for a hook step; a hook step is a command: {_one_of(HOOK_STEP_KEYS)}"
+                )
+        check.mapping(
+            {k: v for k, v in entry.items() if k not in STEP_KEYS or k in HOOK_STEP_KEYS},
+            step_path,
+            HOOK_STEP_KEYS,
+            required=("run",),
+        )
+        if entry.get("id") is None:
+            ident = f"hook-{position}"
+            if ident in seen:
+                check.error(
+                    f"{step_path}.id", f"the default id {ident!r} is taken (at {seen[ident]}); give this step an id"
+                )
+                ident = None
+            else:
+                seen[ident] = step_path
+        else:
+            ident = _unique_id(check, entry, step_path, seen, kind="step", section=path)
+            if ident is not None and len(ident) > MAX_HOOK_STEP_ID:
+                check.error(
+                    f"{step_path}.id",
+                    f"a hook step id is at most {MAX_HOOK_STEP_ID} characters (its history row is "
+                    f"hook:<outcome>:<id>, at most {MAX_ID_LENGTH}), got {len(ident)}",
+                )
+        steps.append(
+            StepConfig(
+                id=ident or "",
+                run=check.string(entry.get("run"), f"{step_path}.run"),
+                timeout=check.duration(entry.get("timeout"), f"{step_path}.timeout"),
+                env=check.env(entry.get("env"), f"{step_path}.env"),
             )
         )
     return tuple(steps)

@@ -70,14 +70,16 @@ def render_status(doc: dict) -> str:
     lines.append("Running")
     if doc["active"]:
         lines += _table(
-            ["JOB", "INSTANCE", "TASK", "WORKFLOW", "WORKER", "ATTEMPT", "LEASE EXPIRES", ""],
+            ["JOB", "INSTANCE", "TASK", "WORKFLOW", "PARENT", "WORKER", "ATTEMPT", "LEASE EXPIRES", ""],
             [
                 [
                     str(a["job_id"]),
-                    # From the job's payload: "-" for a job that names no instance, task or workflow.
+                    # From the job's payload: "-" for a job that names no instance, task or workflow,
+                    # PARENT the instance whose spawn step created the task ("-" for none).
                     _or_dash(a["instance_id"]),
                     _or_dash(a["task_id"]),
-                    _or_dash(a["workflow"]),
+                    _or_dash(a["workflow"]) + (f" (hook {a['hook']})" if a.get("hook") else ""),
+                    _or_dash(a.get("parent_instance_id")),  # .get: a control plane older than issue 10
                     a["worker_id"],
                     str(a["attempt_number"]),
                     a["lease_expires_at"],
