@@ -264,23 +264,45 @@ def embedded(config: dict) -> None:
     config["settings"]["queue"]["embedded_worker"] = True
 
 
-def test_embedded_worker_killed_after_publish_succeeded_publish_runs_once_in_all(tmp_path):
-    """The same with the embedded worker: SIGKILL `apiary run` (and its step) and start it again."""
+@contextlib.contextmanager
+def embedded_plane(tmp_path, title: str):
+    """`apiary run` with the embedded worker, started; afterwards every gate of `title` is opened,
+    the daemon stopped and any step it left killed."""
     plane = ControlPlane(tmp_path / "embedded", edit_config=embedded)
-    title = "pubembedded-1"
-    gate(plane, title, "pub")
-    state = plane.root / ".apiary"
     try:
         plane.start()
+        yield plane
+    finally:
+        for name in ("pub", "after"):
+            gate(plane, title, name)
+        if plane.proc is not None:
+            plane.stop()
+        for pgid in recorded_groups(plane.root / ".apiary"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
+def crash_embedded(plane: ControlPlane) -> list[int]:
+    """The host dies: SIGKILL `apiary run` and its steps' process groups; returns the groups."""
+    groups = recorded_groups(plane.root / ".apiary")
+    assert groups, "the running step's process group is not recorded"
+    plane.kill()
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    return groups
+
+
+def test_embedded_worker_killed_after_publish_succeeded_publish_runs_once_in_all(tmp_path):
+    """The same with the embedded worker: SIGKILL `apiary run` (and its step) and start it again."""
+    title = "pubembedded-1"
+    with embedded_plane(tmp_path, title) as plane:
+        gate(plane, title, "pub")
         job = add(plane, title, "fx-publish")
         wait_for(lambda: marks(plane, title, "after"), what="step after to run (the publish is done)",
                  alive=(plane.proc,), context=plane.tail)
         assert records(plane, job["id"])["publish:pub"]["state"] == "done"
-        groups = recorded_groups(state)
-        plane.kill()
-        for pgid in groups:  # the host's crash takes the step too
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
+        crash_embedded(plane)
         plane.start()
         wait_for(lambda: len(marks(plane, title, "after")) == 2, what="step after to run again",
                  alive=(plane.proc,), context=plane.tail)
@@ -292,14 +314,6 @@ def test_embedded_worker_killed_after_publish_succeeded_publish_runs_once_in_all
         assert (plane.marks / f"{title}.after-saw").read_text() == "published-1"
         # The same worker id in the same workspace: prep was skipped too (its success reused).
         assert len(marks(plane, title, "prep")) == 1
-    finally:
-        for name in ("pub", "after"):
-            gate(plane, title, name)
-        if plane.proc is not None:
-            plane.stop()
-        for pgid in recorded_groups(state):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- 2. kill -9 mid-publish
@@ -337,22 +351,14 @@ def test_worker_killed_mid_publish_runs_it_again_with_the_same_key_and_retry_set
 def test_embedded_worker_killed_mid_publish_runs_it_again_with_the_same_key_and_retry_set(tmp_path):
     """The same with the embedded worker: SIGKILL `apiary run` (and its step) while the publish
     command runs, and start it again."""
-    plane = ControlPlane(tmp_path / "embedded", edit_config=embedded)
     title = "pubmidembedded-1"
-    gate(plane, title, "after")
-    state = plane.root / ".apiary"
-    try:
-        plane.start()
+    with embedded_plane(tmp_path, title) as plane:
+        gate(plane, title, "after")
         job = add(plane, title, "fx-publish")
         wait_for(lambda: marks(plane, title, "pub.begin"), what="the publish command to start",
                  alive=(plane.proc,), context=plane.tail)
         assert records(plane, job["id"])["publish:pub"]["state"] == "started"
-        groups = recorded_groups(state)
-        assert groups, "the publish step's process group is not recorded"
-        plane.kill()
-        for pgid in groups:  # the host's crash takes the step too
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
+        groups = crash_embedded(plane)
         # Gone before its gate opens: the killed run must never reach pub.end.
         wait_for(lambda: not any(group_alive(g) for g in groups), what="the killed publish command to be gone",
                  timeout=15, context=plane.tail)
@@ -376,14 +382,6 @@ def test_embedded_worker_killed_mid_publish_runs_it_again_with_the_same_key_and_
         # The same worker id in the same workspace: prep, recorded done, was not run again.
         assert len(marks(plane, title, "prep")) == 1
         assert len(marks(plane, title, "after")) == 1
-    finally:
-        for name in ("pub", "after"):
-            gate(plane, title, name)
-        if plane.proc is not None:
-            plane.stop()
-        for pgid in recorded_groups(state):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- 3. a stale attempt
