@@ -12,7 +12,7 @@ from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.db import connection
 
-from apiary_site import security
+from apiary_site import logformat, security
 from jobqueue import conf
 from workers import private
 from workflows.config import DEFAULT_CONFIG_NAME, Config, ConfigError, find_config_path, load
@@ -60,3 +60,6 @@ def apply(config: Config) -> None:
     settings.APIARY_WORKER_TOKEN = config.settings.queue.worker_token or ""
     settings.APIARY_PREVIOUS_WORKER_TOKENS = config.settings.queue.previous_worker_tokens
     security.apply(config.settings.queue)
+    settings.APIARY_METRICS = config.settings.metrics  # who may scrape /metrics (apiary_site.metrics)
+    settings.APIARY_STATE = config.state_dir  # where /healthz finds the reaper's beat
+    logformat.apply(config.settings.log_format)

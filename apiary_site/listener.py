@@ -18,10 +18,13 @@ closed; a kept-alive socket idle for `idle_timeout` is closed too.
 """
 
 import argparse
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -154,6 +157,20 @@ def exit_with_parent(parent: int, *, interval: float = 0.5) -> threading.Thread:
     return thread
 
 
+def _metrics_dir() -> None:
+    """The directory where this listener's processes keep their metrics
+    (jobqueue.metrics), merged by whichever process answers a scrape. `apiary
+    run` passes its own (.apiary/metrics, shared with the daemon); a listener
+    started on its own gets a fresh one, removed when it stops. Set here,
+    before anything imports prometheus-client and before gunicorn forks."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    directory = tempfile.mkdtemp(prefix="apiary-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    arbiter = os.getpid()
+    atexit.register(lambda: os.getpid() == arbiter and shutil.rmtree(directory, ignore_errors=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Serve the Apiary worker protocol with gunicorn.")
     parser.add_argument("--bind", required=True)
@@ -165,6 +182,7 @@ def main() -> None:
     if os.environ.get("APIARY_DEBUG") == "1" and not is_loopback(args.bind):  # as `apiary run` refuses it
         sys.exit(f"apiary listener: refusing APIARY_DEBUG=1 on {args.bind} (not loopback)")
     os.environ["APIARY_ASGI"] = "1"  # settings: no persistent connections, a pool on PostgreSQL
+    _metrics_dir()
     if args.parent:
         exit_with_parent(args.parent)  # in the arbiter only: forked workers do not inherit threads
     options = ListenerOptions(args.processes, args.request_timeout, args.idle_timeout)

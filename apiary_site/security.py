@@ -20,7 +20,9 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # The worker protocol is never redirected to https: a worker's token has
 # crossed by the time a redirect could answer, and requests turns a redirected
 # POST into a GET. Workers reach a TLS control plane by its https:// URL.
-REDIRECT_EXEMPT = [r"^api/worker(?:/|$)"]
+# Nor are /metrics (its bearer token has crossed too) and /healthz (a probe
+# of the listener's own port speaks plain HTTP and reads the status only).
+REDIRECT_EXEMPT = [r"^api/worker(?:/|$)", r"^metrics$", r"^healthz$"]
 
 
 def machine_names() -> list[str]:

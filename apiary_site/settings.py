@@ -236,8 +236,16 @@ SPECTACULAR_SETTINGS = {
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"()": "jobqueue.text.EscapingFormatter", "format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "plain": {"()": "jobqueue.text.EscapingFormatter", "format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        "json": {"()": "jobqueue.text.JsonFormatter"},  # one JSON object a line (apiary_site.logformat)
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "json" if os.environ.get("APIARY_LOG_FORMAT") == "json" else "plain",
+        }
+    },
     "loggers": {
         "apiary": {"handlers": ["console"], "level": os.environ.get("APIARY_LOG_LEVEL", "INFO"), "propagate": False},
     },

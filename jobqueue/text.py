@@ -5,6 +5,8 @@ snapshots, errors and summaries; and, escaped, wherever it enters a log line
 (`EscapingFormatter`). It needs no database, so the remote worker uses it too.
 """
 
+import datetime as dt
+import json
 import logging
 import re
 
@@ -62,3 +64,40 @@ class EscapingFormatter(logging.Formatter):
     @staticmethod
     def _indented(text: str) -> str:
         return "\n".join("    " + escape_controls(line) for line in text.splitlines())
+
+
+# The attributes every LogRecord has; anything else on a record came from `extra=` and is logged as a field.
+_RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+# What json.dumps leaves as is (ensure_ascii off, for readable text) but could still end a line or
+# rewrite a terminal, and lone surrogates, which no UTF-8 stream could write.
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line: time (UTC, RFC 3339), level,
+    logger, message and the record's `extra` fields; a traceback is the
+    `exception` string. JSON escapes newlines and C0 controls; DEL, C1
+    controls, the Unicode separators and lone surrogates, which it would leave raw, are
+    written as `\\u` escapes too, so — as with `EscapingFormatter` — no text
+    in a record can start a line or pass for one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": _rfc3339(record.created),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for name, value in vars(record).items():
+            if name not in _RECORD_ATTRIBUTES and name not in entry and not name.startswith("_"):
+                entry[name] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        line = json.dumps(entry, ensure_ascii=False, default=str, separators=(",", ":"))
+        return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", line)
+
+
+def _rfc3339(created: float) -> str:
+    return dt.datetime.fromtimestamp(created, dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

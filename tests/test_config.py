@@ -292,7 +292,9 @@ def test_a_workflow_without_hooks_has_none(tmp_path):
 
 def test_the_readme_apiary_yaml_example_loads(tmp_path):
     block = (REPO / "README.md").read_text().split("### apiary.yaml", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
-    config = cfg.load(write(tmp_path, block), environ={"APIARY_WORKER_TOKEN": TOKEN, "APIARY_OLD_WORKER_TOKEN": "o" * 40})
+    environ = {"APIARY_WORKER_TOKEN": TOKEN, "APIARY_OLD_WORKER_TOKEN": "o" * 40, "APIARY_METRICS_TOKEN": "m" * 40}
+    config = cfg.load(write(tmp_path, block), environ=environ)
+    assert config.settings.metrics == cfg.MetricsSettings(listen="127.0.0.1:9464", token="m" * 40)
     fix = config.workflows["fix"]
     assert [s.id for s in fix.steps if s.publish or s.spawn] == ["open-pr", "split"]
     assert set(fix.hooks) == {"succeeded", "failed", "cancelled"}

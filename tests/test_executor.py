@@ -84,8 +84,9 @@ def workspace_file(tmp_path: Path, task_id: int, name: str) -> bytes:
 
 
 def test_worker_secrets_in_the_workers_environment_do_not_reach_steps(tmp_path, monkeypatch):
-    assert set(WITHHELD_ENV) == {"APIARY_WORKER_TOKEN", "DATABASE_URL", "DJANGO_SECRET_KEY"}
+    assert set(WITHHELD_ENV) == {"APIARY_WORKER_TOKEN", "DATABASE_URL", "DJANGO_SECRET_KEY", "PROMETHEUS_MULTIPROC_DIR"}
     monkeypatch.setenv("APIARY_WORKER_TOKEN", "CANARY-token")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/CANARY-metrics")  # the daemon's metric files (jobqueue.metrics)
     monkeypatch.setenv("DATABASE_URL", "postgres://apiary:CANARY-password@db/apiary")
     monkeypatch.setenv("DJANGO_SECRET_KEY", "CANARY-secret-key")
     monkeypatch.setenv("REVIEW_ORDINARY_VARIABLE", "still-passed")  # the rest of the environment still goes

@@ -21,11 +21,11 @@ from django.db import DatabaseError, connections
 
 from jobqueue import conf
 from jobqueue import services as queue
-from jobqueue.clock import Clock
+from jobqueue.clock import Clock, get_clock
 from jobqueue.models import Job, JobState
 from jobqueue.selectors import BLOCKED_LIMIT, blocked_reasons
 
-from . import services, sources, spawning
+from . import reaperbeat, services, sources, spawning
 from .config import Config
 from .models import Task
 
@@ -67,6 +67,7 @@ class ControlPlane:
                 self._running[source_id] = self._start(source_id)
         if now >= self.next_reap:
             self.reap()
+            self.beat()
             self.materialise()
             self.next_reap = now + self.reap_interval
         if now >= self.next_forget:
@@ -162,6 +163,13 @@ class ControlPlane:
                 attempt.job_id, attempt.pk, attempt.number, attempt.worker_id, attempt.job.state,
             )
         return len(expired)
+
+    def beat(self) -> None:
+        """Record that the reaper ran (workflows.reaperbeat, read by /healthz)."""
+        try:
+            reaperbeat.record(self.config.state_dir, (self.clock or get_clock()).now())
+        except OSError as exc:  # the loop goes on; /healthz reports the reaper as not running
+            log.warning("cannot record the reaper's beat in %s: %s", reaperbeat.path_of(self.config.state_dir), exc)
 
     def materialise(self) -> int:
         """Done spawn records into child tasks and their jobs, a bounded batch

@@ -48,7 +48,9 @@ class History(Protocol):
 # open the queue database directly (DATABASE_URL) or forge admin sessions (DJANGO_SECRET_KEY).
 # Which other variables a config interpolated is not knowable here, so only these are named; a
 # step that needs one of them can still be given it explicitly with `env:` in the config.
-WITHHELD_ENV = ("APIARY_WORKER_TOKEN", "DATABASE_URL", "DJANGO_SECRET_KEY")
+# PROMETHEUS_MULTIPROC_DIR (jobqueue.metrics) too: a step using prometheus-client would otherwise
+# add its own metrics to the control plane's.
+WITHHELD_ENV = ("APIARY_WORKER_TOKEN", "DATABASE_URL", "DJANGO_SECRET_KEY", "PROMETHEUS_MULTIPROC_DIR")
 
 # Bytes (UTF-8) of one task text variable. Linux refuses to start a process when one environment
 # string exceeds 128 KiB (E2BIG) or all of them exceed a quarter of the stack limit; a cut far

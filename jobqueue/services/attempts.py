@@ -11,6 +11,7 @@ from django.db import connection
 from .. import conf, sql
 from ..clock import Clock
 from ..exceptions import InvalidRequest, NotFound, SessionSuperseded, StaleAttempt, WorkerMismatch
+from ..metrics import timed_heartbeat
 from ..models import Attempt, AttemptState, JobState
 from ..text import clean
 from ..types import OUTCOMES, Heartbeat
@@ -87,6 +88,7 @@ def fenced_live(cursor, attempt_id: int, token: str, now: dt.datetime, acting_as
     return fenced
 
 
+@timed_heartbeat
 @service
 def attempt_heartbeat(
     *, attempt_id: int, token: str, acting_as: str | None = None, clock: Clock | None = None

@@ -26,6 +26,7 @@ from django.db import IntegrityError, connection, transaction
 from .. import jsonlimits
 from ..clock import Clock
 from ..exceptions import InvalidRequest
+from ..metrics import timed_heartbeat
 from ..models import JobRecord, RecordState
 from ..text import clean
 from ..types import (
@@ -130,6 +131,7 @@ def checkpoint_key(step: str) -> str:
     return CHECKPOINT_PREFIX + step
 
 
+@timed_heartbeat
 @service
 def attempt_heartbeat_with_checkpoint(
     *,

@@ -26,6 +26,7 @@ from .loading import DEFAULT_CONFIG_NAME, ConfigError, find_config_path, load
 from .schema import (
     AgentConfig,
     Config,
+    MetricsSettings,
     QueueSettings,
     Settings,
     SourceConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "AgentConfig",
     "Config",
     "ConfigError",
+    "MetricsSettings",
     "QueueSettings",
     "Settings",
     "SourceConfig",

@@ -133,10 +133,23 @@ class QueueSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsSettings:
+    """settings.metrics: who may scrape /metrics, and where the daemon serves it itself."""
+
+    listen: str | None = None  # host:port of the daemon's own /metrics and /healthz (local mode, or beside the listener)
+    token: str | None = None  # a scraper's bearer token; without one only loopback clients (and no proxy) are answered
+
+
+LOG_FORMATS = ("plain", "json")
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     concurrency: int = 0  # the project limit unless queue.concurrency.default_project is set; 0 = none
     worker_capacity: int = 1
     queue: QueueSettings = QueueSettings()
+    metrics: MetricsSettings = MetricsSettings()
+    log_format: str = "plain"  # $APIARY_LOG_FORMAT, when set, wins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +184,8 @@ class Config:
 # The keys each section accepts: anything else is reported as unknown, with a
 # did-you-mean, rather than silently ignored.
 TOP_KEYS = ("project", "settings", "agents", "workflows", "sources")
-SETTINGS_KEYS = ("concurrency", "worker_capacity", "queue")
+SETTINGS_KEYS = ("concurrency", "worker_capacity", "queue", "metrics", "log_format")
+METRICS_KEYS = ("listen", "token")
 QUEUE_KEYS = (
     "listen",
     "worker_token",

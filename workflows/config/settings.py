@@ -18,11 +18,14 @@ from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
 from .schema import (
     CONCURRENCY_KEYS,
     LISTENER_KEYS,
+    LOG_FORMATS,
+    METRICS_KEYS,
     QUEUE_KEYS,
     SETTINGS_KEYS,
     TLS_KEYS,
     AgentConfig,
     ListenerSettings,
+    MetricsSettings,
     QueueSettings,
     Settings,
     SourceConfig,
@@ -48,7 +51,33 @@ def _settings(
     queue = _queue(
         check, section.get("queue"), concurrency=concurrency, project=project, agents=agents, sources=sources
     )
-    return Settings(concurrency=concurrency, worker_capacity=capacity, queue=queue)
+    metrics = _metrics(check, section.get("metrics"), queue=queue)
+    log_format = _default(check.choice(section.get("log_format"), "settings.log_format", LOG_FORMATS), "plain")
+    return Settings(concurrency=concurrency, worker_capacity=capacity, queue=queue, metrics=metrics, log_format=log_format)
+
+
+def _metrics(check: _Checker, raw: Any, *, queue: QueueSettings) -> MetricsSettings:
+    """settings.metrics. Without a token /metrics answers loopback clients only,
+    so an address other machines reach needs one; the token is a scraper's,
+    never the worker token (whoever holds that can act as a worker)."""
+    p = "settings.metrics"
+    section = check.mapping(raw, p, METRICS_KEYS) or {}
+    listen = check.string(section.get("listen"), f"{p}.listen", empty_is_absent=True)
+    if listen is not None and not _valid_listen(listen):
+        check.error(f"{p}.listen", f"expected host:port (such as 127.0.0.1:9464), got {listen!r}")
+        listen = None
+    token = check.string(section.get("token"), f"{p}.token", empty_is_absent=True)
+    if token is not None:
+        if len(token) < MIN_TOKEN_LENGTH:
+            check.error(f"{p}.token", f"expected at least {MIN_TOKEN_LENGTH} random characters, got {len(token)}")
+        elif token == queue.worker_token or token in queue.previous_worker_tokens:
+            check.error(f"{p}.token", "is a worker token; give scrapers a token of their own")
+    elif listen is not None and not is_loopback(listen) and f"{p}.token" not in check.failed:
+        check.error(
+            f"{p}.listen",
+            f"{listen} is not loopback: set settings.metrics.token too (without it /metrics answers loopback clients only)",
+        )
+    return MetricsSettings(listen=listen, token=token)
 
 
 def _queue(

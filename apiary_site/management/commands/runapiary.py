@@ -6,9 +6,11 @@ import logging
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from apiary_site import bootstrap, security
+from apiary_site import bootstrap, monitoring, security
 from apiary_site import listener as apiary_listener
+from apiary_site.monitorserver import MonitorServer
 from apiary_site.statelock import StateLock, StateLocked
+from jobqueue import metrics as queue_metrics
 from jobqueue import services as queue
 from workflows.controlplane import ControlPlane
 from workflows.daemon import Daemon, embedded_runtime
@@ -45,6 +47,8 @@ class Command(BaseCommand):
 
     def _run(self, config, options):
         bootstrap.prepare_database(config)
+        # Before anything records a metric or the listener starts (it inherits the directory).
+        queue_metrics.enable_multiprocess(monitoring.reset_metrics_dir(config.state_dir))
         expired = queue.reconcile()
         log.info(
             "control plane up: project %s, config %s; reconciled %d expired lease(s)", config.project, config.path, expired
@@ -71,6 +75,16 @@ class Command(BaseCommand):
                 f"behind a proxy ({queue_settings.tls.proxy_header})" if queue_settings.tls else "not configured",
             )
 
+        monitor = None
+        if config.settings.metrics.listen:
+            try:
+                monitor = MonitorServer(config.settings.metrics.listen).start()
+            except OSError as exc:
+                if listener is not None:
+                    listener.terminate()
+                raise CommandError(f"settings.metrics.listen {config.settings.metrics.listen}: cannot listen: {exc}") from exc
+            log.info("metrics and health on http://%s/metrics and /healthz", config.settings.metrics.listen)
+
         daemon = Daemon(
             config=config,
             control=ControlPlane(config=config),
@@ -83,5 +97,7 @@ class Command(BaseCommand):
             exit_code = daemon.run(tick=options["tick"])
         finally:
             daemon.signals.restore()
+            if monitor is not None:
+                monitor.stop()
         if exit_code:
             raise SystemExit(exit_code)
