@@ -342,6 +342,14 @@ class HttpTransport:
     def status(self) -> dict:
         return self._call(self.calls, "GET", "status")
 
+    def instance_logs(self, instance_id: int) -> dict:
+        """`GET instances/{id}/logs`: every step log of an instance (for `apiary logs`)."""
+        return self._call(self.calls, "GET", f"instances/{instance_id}/logs")
+
+    def instance_log_text(self, instance_id: int, attempt_number: int, step: str, offset: int) -> dict:
+        """`GET instances/{id}/logs/{attempt}/{step}/{offset}`: a step's log from `offset`."""
+        return self._call(self.calls, "GET", f"instances/{instance_id}/logs/{attempt_number}/{step}/{offset}")
+
     def close(self) -> None:
         """Job threads call this when they end; the sessions stay for the others."""
 
