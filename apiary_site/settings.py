@@ -226,7 +226,12 @@ SPECTACULAR_SETTINGS = {
     # request bodies can say additionalProperties: false.
     "COMPONENT_SPLIT_REQUEST": True,
     # One name for the outcome choices a finish sends and a status hook entry names.
-    "ENUM_NAME_OVERRIDES": {"OutcomeEnum": "jobqueue.types.OUTCOMES"},
+    "ENUM_NAME_OVERRIDES": {
+        "OutcomeEnum": "jobqueue.types.OUTCOMES",
+        # Three `state` fields (a record's, an instance's job's in its logs document) get a name each.
+        "RecordStateEnum": "jobqueue.types.RECORD_STATES",
+        "JobStateEnum": "jobqueue.models.JobState",
+    },
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "jobqueue.api.schema.close_request_objects",

@@ -304,6 +304,41 @@ class JobRecord(models.Model):
         return f"job {self.job_id} {self.key} [{self.state}]"
 
 
+class LogStream(models.Model):
+    """A running step's output, as its attempt sends it (services/logs.py): opaque text per
+    (attempt, name), the workflow layer's step history id. The queue keeps its last
+    MAX_LOG_STREAM_BYTES; `dropped` counts what came before and is no longer kept."""
+
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="log_streams")
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+")
+    name = models.CharField(max_length=255)
+    received = models.BigIntegerField(default=0, help_text="bytes of UTF-8 text received: the next chunk's offset")
+    dropped = models.BigIntegerField(default=0, help_text="bytes at the start no longer kept")
+    ended = models.BooleanField(default=False, help_text="its last chunk came")
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["attempt", "name"], name="logstream_attempt_name_unique")]
+        indexes = [models.Index(fields=["job", "id"], name="logstream_job")]
+
+    def __str__(self) -> str:
+        return f"attempt {self.attempt_id} {self.name} ({self.received} bytes)"
+
+
+class LogChunk(models.Model):
+    """Text of a stream from `offset` (bytes of UTF-8 from the stream's start). Chunks that
+    arrive while the last one is small extend it, so a stream has a few dozen rows, not one per send."""
+
+    stream = models.ForeignKey(LogStream, on_delete=models.CASCADE, related_name="chunks")
+    offset = models.BigIntegerField()
+    size = models.IntegerField(help_text="bytes of UTF-8")
+    text = models.TextField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["stream", "offset"], name="logchunk_stream_offset_unique")]
+
+
 class WorkerCredential(models.Model):
     """A worker's own bearer credential, bound to its worker id (README
     "Security"). Only the SHA-256 of the secret is kept; the secret is shown

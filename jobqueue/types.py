@@ -106,3 +106,25 @@ class Record:
     def started_earlier(self) -> bool:
         """An attempt before the writer's started it (its end is unknown)."""
         return self.started_by is not None and self.started_by != self.attempt_number
+
+
+# A running step's output, streamed by its attempt (jobqueue/services/logs.py says the rules): the
+# queue keeps opaque text per (attempt, stream); the workflow layer names a stream after a step.
+LOG_STREAM_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,254}"  # a step's history id: `plan`, `hook:failed:notify`
+MAX_LOG_CHUNK_BYTES = 64 * 1024  # of one chunk's text as UTF-8
+MAX_LOG_STREAM_BYTES = 1024 * 1024  # kept per stream: the last MiB (older text is dropped, and counted)
+MAX_LOG_STREAMS_PER_ATTEMPT = 128  # what one attempt's token can make the control plane keep
+MAX_LOG_OFFSET = 2**62  # a stream's position, in bytes of UTF-8 text
+
+
+@dataclasses.dataclass(frozen=True)
+class LogState:
+    """A stream as the control plane keeps it, after a chunk was sent.
+    `received`: bytes of text received (the next chunk's offset); `dropped`: bytes at its start no
+    longer kept (the cap keeps the tail); `ended`: its last chunk came; `stored`: this chunk added text."""
+
+    stream: str
+    received: int
+    dropped: int
+    ended: bool
+    stored: bool = True

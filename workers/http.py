@@ -12,6 +12,9 @@ call waits for, or reuses, a connection another concern holds:
   unreachable control plane, the last `ready: false` once the heartbeat
   thread has ended): a pool of two. A long poll or a slow finish never holds
   one of its connections.
+* `logs`: a running step's output (`POST attempts/{id}/logs`), sent by each
+  job's log sender thread (workers/logstream.py): a pool of `capacity`, so a
+  chunk never waits behind a finish or a heartbeat, nor they behind it.
 * `calls`: finishes, registration, status. Finishes come from the job
   threads, up to `capacity` at once (registration and the outbox flush run
   before any job thread exists): a pool of `capacity`. Not the heartbeat
@@ -49,7 +52,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from jobqueue.exceptions import Forbidden, InvalidRequest, NotFound, QueueError, SessionSuperseded, StaleAttempt
-from jobqueue.types import CREDENTIAL_PREFIX, Claim, Heartbeat, Record
+from jobqueue.types import CREDENTIAL_PREFIX, MAX_LOG_OFFSET, Claim, Heartbeat, LogState, Record
 
 from . import claimcheck, recordcheck
 from .backoff import Backoff, retry_after_of
@@ -138,13 +141,14 @@ class HttpTransport:
         self.claims = _session(token=token, pool=1)
         self.beats = _session(token=token, pool=2)
         self.calls = _session(token=token, pool=max(1, capacity))
+        self.logs = _session(token=token, pool=max(1, capacity))
         # Passed with every request: requests lets $REQUESTS_CA_BUNDLE override a
         # session-level `verify`, but not a per-request one.
         self.verify: str | bool = ca_cert or True
 
     @property
     def sessions(self) -> tuple[requests.Session, ...]:
-        return (self.claims, self.beats, self.calls)
+        return (self.claims, self.beats, self.calls, self.logs)
 
     def _call(
         self,
@@ -327,8 +331,40 @@ class HttpTransport:
         answer = self._call(self.calls, "POST", f"attempts/{attempt_id}/records/list", {"token": token})
         return recordcheck.listed(answer)
 
+    def log_append(self, *, attempt_id: int, token: str, stream: str, offset: int, text: str, final: bool) -> LogState:
+        """On `logs`. Safe to resend: a chunk within what the stream received adds nothing."""
+        answer = self._call(
+            self.logs, "POST", f"attempts/{attempt_id}/logs",
+            {"token": token, "stream": stream, "offset": offset, "text": text, "final": final},
+        )  # fmt: skip
+        return log_state_of(answer, stream=stream)
+
     def status(self) -> dict:
         return self._call(self.calls, "GET", "status")
 
+    def instance_logs(self, instance_id: int) -> dict:
+        """`GET instances/{id}/logs`: every step log of an instance (for `apiary logs`)."""
+        return self._call(self.calls, "GET", f"instances/{instance_id}/logs")
+
+    def instance_log_text(self, instance_id: int, attempt_number: int, step: str, offset: int) -> dict:
+        """`GET instances/{id}/logs/{attempt}/{step}/{offset}`: a step's log from `offset`."""
+        return self._call(self.calls, "GET", f"instances/{instance_id}/logs/{attempt_number}/{step}/{offset}")
+
     def close(self) -> None:
         """Job threads call this when they end; the sessions stay for the others."""
+
+
+def log_state_of(answer, *, stream: str) -> LogState:
+    """The stream of a `POST attempts/{id}/logs` answer, every field checked; InvalidRequest otherwise."""
+    def number(name):
+        value = answer.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOG_OFFSET:
+            raise InvalidRequest(f"POST logs: the control plane's answer is refused: {name} is not a stream offset")
+        return value
+
+    if not isinstance(answer, dict) or answer.get("stream") != stream:
+        raise InvalidRequest("POST logs: the control plane's answer is refused: it is not this stream's")
+    received, dropped = number("received"), number("dropped")
+    if dropped > received or not isinstance(answer.get("ended"), bool) or not isinstance(answer.get("stored"), bool):
+        raise InvalidRequest("POST logs: the control plane's answer is refused: dropped, ended or stored is wrong")
+    return LogState(stream, received, dropped, answer["ended"], answer["stored"])

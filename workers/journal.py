@@ -84,6 +84,9 @@ class Journal:
         # Set by the executor while a step runs; read by the runtime's heartbeat thread.
         self.checkpoint: Checkpoint | None = None
         self.sent: tuple[str, str] | None = None  # (step, content) the control plane last kept
+        # The job's log sender (workers/logstream.py) when the control plane takes logs; the
+        # executor tells it where each step's output begins and ends.
+        self.logs = None
 
     def record(self, key: str, state: str, value: dict) -> Record:
         """Write `key` = `state` (`value`); the record as the control plane answers it."""

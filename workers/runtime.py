@@ -11,7 +11,10 @@ Threads:
   request back) and one heartbeat per active attempt every
   `heartbeat_interval`; a `cancel` answer, a stale attempt or a lease that
   must have passed stops that job's runner;
-* a thread per job, running the executor and then sending the finish.
+* a thread per job, running the executor and then sending the finish;
+* a log sender thread per job (workers/logstream.py) while its steps run,
+  streaming their output to the control plane; the job's finish waits for
+  it (at most LOG_FLUSH_WAIT), since the finished attempt takes no more.
 
 Heartbeats do not back off: one try each, and the next round beats again at
 the heartbeat cadence, because leases depend on them.
@@ -36,6 +39,7 @@ from jobqueue.types import Claim
 from .backoff import Backoff
 from .executor import Executor, Outcome
 from .journal import Journal
+from .logstream import LogSender
 from .transport import Registration, Transport, TransportError, WorkerSpec
 from .verdicts import FATAL, Verdict, classify
 
@@ -43,6 +47,7 @@ log = logging.getLogger("apiary.worker")
 
 CLAIM_BACKOFF = {"base": 0.5, "cap": 20.0}  # seconds: the claim loop's, while the control plane is unavailable
 FINISH_BACKOFF = {"base": 0.2, "cap": 5.0}  # seconds: a job thread's, resending its finish
+LOG_FLUSH_WAIT = 5.0  # seconds a finish waits for the job's log sender to send its steps' last output
 
 
 @dataclasses.dataclass
@@ -56,6 +61,7 @@ class ActiveJob:
     outbox_id: int | None = None  # the finish's row in the worker's outbox, once written
     journal: Journal | None = None  # what the executor records through; its checkpoint rides the heartbeats
     finishing: bool = False  # its finish is being sent: a stale heartbeat answer may just mean it landed
+    logs: LogSender | None = None  # streams its steps' output, when the control plane takes logs
 
 
 class WorkerRuntime:
@@ -74,6 +80,7 @@ class WorkerRuntime:
         wait=None,
         rand=random.random,
         exit_on_drain: bool = True,
+        log_interval: float = 0.5,
     ):
         self.transport = transport
         self.spec = spec
@@ -93,6 +100,7 @@ class WorkerRuntime:
         # A remote worker exits once drained; the embedded one only pauses while
         # an operator's drain stands, and resumes when it is lifted.
         self.exit_on_drain = exit_on_drain
+        self.log_interval = log_interval  # seconds between a log sender's looks at a running step's log
         self.shutting_down = False
         self.paused_by_operator = False
         self.registration: Registration | None = None
@@ -275,6 +283,10 @@ class WorkerRuntime:
             # A control plane from before the journal (no `journal` feature) keeps none: the executor
             # then refuses publish and spawn steps and runs the rest as before.
             job.journal = self._journal(job) if "journal" in self.registration.features else None
+            if job.journal is not None and "logs" in self.registration.features:
+                job.logs = job.journal.logs = LogSender(
+                    transport=self.transport, claim=claim, interval=self.log_interval, rand=self.rand
+                )
             job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"job-{claim.job_id}", daemon=True)
             with self.lock:
                 self.active[claim.attempt_id] = job
@@ -447,6 +459,8 @@ class WorkerRuntime:
         log.warning("job %s attempt %s: stopping the runner and discarding its result: %s", job.claim.job_id, job.claim.attempt_id, why)
         job.discard = why
         job.cancel.set()
+        if job.logs is not None:
+            job.logs.stop()
 
     def _stop_for(self, verdict: Verdict, exc: QueueError) -> None:
         if verdict is Verdict.SUPERSEDED:
@@ -525,11 +539,15 @@ class WorkerRuntime:
             except Exception as exc:  # a bug in a runner must not take the worker down
                 log.exception("job %s attempt %s crashed in the executor", claim.job_id, claim.attempt_id)
                 outcome = Outcome("failed", {}, f"executor error: {exc!r}")
+            if job.logs is not None and not job.discard and not job.logs.close(LOG_FLUSH_WAIT):
+                log.warning("job %s attempt %s: not all of its log reached the control plane", claim.job_id, claim.attempt_id)
             if job.discard:
                 log.warning("job %s attempt %s result discarded: %s", claim.job_id, claim.attempt_id, job.discard)
                 return
             self._finish(job, outcome)
         finally:
+            if job.logs is not None:
+                job.logs.stop()
             self.transport.close()
 
     def _finish(self, job: ActiveJob, outcome: Outcome) -> None:

@@ -15,7 +15,7 @@ from django.db import close_old_connections, connection
 from jobqueue import conf, services
 from jobqueue.exceptions import QueueError
 from jobqueue.longpoll import claim_with_wait
-from jobqueue.types import Claim, Heartbeat, Record
+from jobqueue.types import Claim, Heartbeat, LogState, Record
 
 
 class TransportError(QueueError):
@@ -37,7 +37,7 @@ class Registration:
     lease_duration: float
     heartbeat_interval: float
     worker_timeout: float
-    features: frozenset[str] = frozenset({"journal"})  # what the control plane serves beyond protocol 1's first version
+    features: frozenset[str] = frozenset({"journal", "logs"})  # what the control plane serves beyond protocol 1's first version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,9 @@ class Transport(Protocol):
 
     def records(self, *, attempt_id: int, token: str) -> list[Record]:
         """The attempt's job's journal, oldest first."""
+
+    def log_append(self, *, attempt_id: int, token: str, stream: str, offset: int, text: str, final: bool) -> LogState:
+        """Appends `text` at `offset` to the attempt's log `stream` (jobqueue/services/logs.py says the rules)."""
 
     def close(self) -> None: ...
 
@@ -117,6 +120,9 @@ class InProcessTransport:
 
     def records(self, *, attempt_id: int, token: str) -> list[Record]:
         return services.job_records(attempt_id=attempt_id, token=token)
+
+    def log_append(self, *, attempt_id: int, token: str, stream: str, offset: int, text: str, final: bool) -> LogState:
+        return services.log_append(attempt_id=attempt_id, token=token, stream=stream, offset=offset, text=text, final=final)
 
     def close(self) -> None:
         connection.close()

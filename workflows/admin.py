@@ -6,16 +6,18 @@ nothing; its actions call one service each."""
 
 from django.contrib import admin
 from django.urls import reverse
-from django.utils.html import format_html_join
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
 from jobqueue import services
 from jobqueue.admin import OperateMixin, ReadOnlyMixin, cancel_results, release_results
 from jobqueue.models import Job
 
-from . import selectors
+from . import logs, selectors
 from .models import StepRun, Task, TaskState, WorkflowInstance
 from .services import affinity_key
+
+TAIL_BYTES = 4000  # of each step's log on the instance page
 
 
 class StepRunInline(ReadOnlyMixin, admin.TabularInline):
@@ -106,7 +108,7 @@ class WorkflowInstanceAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     list_select_related = ("task", "job", "parent__task")
     inlines = (StepRunInline, ChildInstanceInline)
     actions = ("cancel_instances",)
-    readonly_fields = ("hooks",)
+    readonly_fields = ("hooks", "log_tail")
 
     @admin.display(description="hooks")
     def hooks(self, obj: WorkflowInstance):
@@ -122,6 +124,30 @@ class WorkflowInstanceAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
                 (reverse("admin:queue_job_change", args=[j.pk]), j.pk, j.payload["hook"].get("outcome"), j.state,
                  f" ({j.reason})" if j.reason else "")
                 for j in jobs
+            ),
+        )  # fmt: skip
+
+    @admin.display(description="log tail")
+    def log_tail(self, obj: WorkflowInstance):
+        """The last lines each step of the latest attempt streamed to the control plane (from any
+        worker), preformatted; `apiary logs INSTANCE -f` follows them."""
+        if not obj.pk:
+            return "—"
+        steps = [s for s in logs.instance_logs(instance_id=obj.pk)["steps"] if s["hook"] is None]
+        latest = max((s["attempt_number"] for s in steps), default=None)
+        steps = [s for s in steps if s["attempt_number"] == latest]
+        if not steps:
+            return "—"
+        return format_html_join(
+            mark_safe(""),  # a constant
+            '<p><strong>{}</strong> (attempt {}, worker {}, {})</p><pre style="white-space: pre-wrap; '
+            'max-height: 24em; overflow: auto">{}</pre>',
+            (
+                (s["step"], s["attempt_number"], s["worker_id"] or "—",
+                 "running" if not s["ended"] and s["attempt_state"] == "active" else "ended",
+                 logs.tail(job_id=s["job_id"], attempt_number=s["attempt_number"], step=s["step"],
+                           received=s["received"], dropped=s["dropped"], size=TAIL_BYTES) or format_html("<em>{}</em>", "no output"))
+                for s in steps
             ),
         )  # fmt: skip
 

@@ -393,6 +393,11 @@ class Executor:
 
         if run.journal is not None:
             run.journal.checkpoint = Checkpoint(step_id, checkpoint)
+        # The step's output streams to the control plane from where its log file ends now (earlier
+        # attempts appended to the same file), on the sender's thread: the step never waits for it.
+        logs = run.journal.logs if run.journal is not None else None
+        if logs is not None:
+            logs.step_started(history_id, log_path)
         result = None
         try:
             result = runners.run_step(
@@ -413,6 +418,8 @@ class Executor:
             log.exception("step %s of instance %s could not be run", history_id, run.job.instance_id)
             result = _unstarted(log_path, started, f"apiary: step {history_id} could not be run: {exc!r}")
         finally:
+            if logs is not None:
+                logs.step_ended(history_id)
             if run.journal is not None:
                 if result is None or result.status != "succeeded":  # the next attempt of this step starts from it
                     run.journal.checkpoint_flush()

@@ -17,7 +17,7 @@ class WorkerTokenScheme(OpenApiAuthenticationExtension):
             "scheme": "bearer",
             "description": (
                 "a worker's own credential (`apw_…`, acting as its worker id), or the control plane's shared "
-                "worker_token, which only registers new workers and reads status"
+                "worker_token, which only registers new workers and reads status and step logs"
             ),
         }
 

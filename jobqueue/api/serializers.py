@@ -16,10 +16,14 @@ from rest_framework import serializers
 from jobqueue.models import JobState
 from jobqueue.types import (
     ENROLLMENT_KEY_PATTERN,
+    LOG_STREAM_PATTERN,
     MAX_CAPABILITIES,
     MAX_CAPACITY,
     MAX_CHECKPOINT_BYTES,
     MAX_LABELS,
+    MAX_LOG_CHUNK_BYTES,
+    MAX_LOG_OFFSET,
+    MAX_LOG_STREAM_BYTES,
     MAX_NAME_LENGTH,
     MAX_RECORD_KEY,
     MAX_RECORD_VALUE_BYTES,
@@ -208,6 +212,26 @@ class RecordsSerializer(StrictSerializer):
     token = StrictCharField(max_length=256, trim_whitespace=False)
 
 
+class LogAppendSerializer(StrictSerializer):
+    """POST attempts/{attempt_id}/logs."""
+
+    token = StrictCharField(max_length=256, trim_whitespace=False)
+    stream = StrictCharField(
+        max_length=255, trim_whitespace=False,
+        validators=[RegexValidator(rf"^{LOG_STREAM_PATTERN}\Z", message=f"must match {LOG_STREAM_PATTERN}")],
+        help_text="the stream's name (Apiary's workflows: the step's history id, e.g. `plan`, `hook:failed:notify`)",
+    )  # fmt: skip
+    offset = StrictIntegerField(
+        min_value=0, max_value=MAX_LOG_OFFSET,
+        help_text="where this text starts, in bytes of UTF-8 from the stream's start",
+    )  # fmt: skip
+    text = StrictCharField(
+        allow_blank=True, trim_whitespace=False, validators=[_utf8_at_most(MAX_LOG_CHUNK_BYTES)],
+        help_text=f"at most {MAX_LOG_CHUNK_BYTES} bytes of UTF-8, no NUL",
+    )  # fmt: skip
+    final = StrictBooleanField(required=False, default=False, help_text="the stream's last chunk: it ends here")
+
+
 class FinishSerializer(StrictSerializer):
     """POST attempts/{attempt_id}/finish."""
 
@@ -252,7 +276,8 @@ class RegisterResponse(serializers.Serializer):
     features = serializers.ListField(
         child=serializers.CharField(),
         help_text="additions to protocol 1 this control plane serves: `journal` (attempts/{id}/records, "
-        "records/list, the heartbeat's checkpoint); absent on a control plane from before them",
+        "records/list, the heartbeat's checkpoint), `logs` (attempts/{id}/logs); absent on a control plane "
+        "from before them",
     )
     worker = WorkerView()
 
@@ -328,6 +353,16 @@ class RecordResponse(serializers.Serializer):
 
 class RecordsResponse(serializers.Serializer):
     records = RecordView(many=True)
+
+
+class LogAppendResponse(serializers.Serializer):
+    stream = serializers.CharField()
+    received = serializers.IntegerField(help_text="bytes of the stream received: the next chunk's offset")
+    dropped = serializers.IntegerField(
+        help_text=f"bytes at the stream's start no longer kept (the control plane keeps its last {MAX_LOG_STREAM_BYTES})"
+    )
+    ended = serializers.BooleanField(help_text="the stream's last chunk came")
+    stored = serializers.BooleanField(help_text="this chunk added text (false for a resend of text already received)")
 
 
 class FinishResponse(serializers.Serializer):

@@ -28,6 +28,7 @@ urlpatterns = [
     re_path(
         r"^attempts/(?P<attempt_id>[0-9]{1,18})/records/list\Z", views.AttemptRecordsView.as_view(), name="attempt-records-list"
     ),
+    re_path(r"^attempts/(?P<attempt_id>[0-9]{1,18})/logs\Z", views.AttemptLogView.as_view(), name="attempt-logs"),
     path("status", views.StatusView.as_view(), name="status"),
     path("schema/", views.SchemaView.as_view(), name="schema"),
     re_path(r"", views.UnknownPathView.as_view()),

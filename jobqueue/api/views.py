@@ -32,7 +32,7 @@ from .throttle import claims as claim_budget
 PROTOCOL_VERSION = 1
 # What this control plane offers beyond protocol 1's first version; a worker uses only what is listed
 # (a control plane from before them lists nothing, and its worker then runs no publish or spawn step).
-FEATURES = ("journal",)
+FEATURES = ("journal", "logs")
 DEFER_CLAIM = "apiary.defer_claim"  # request.META flag: ClaimView validates, returns a Deferred
 
 
@@ -267,6 +267,24 @@ class AttemptRecordsView(ProtocolView):
         data = self.validated(s.RecordsSerializer, request)
         records = services.job_records(attempt_id=int(attempt_id), acting_as=principal_id(request), **data)
         return Response(s.RecordsResponse({"records": records}).data)
+
+
+class AttemptLogView(ProtocolView):
+    @extend_schema(parameters=[ATTEMPT_ID])
+    @_schema(
+        "attempts_logs_append",
+        s.LogAppendSerializer,
+        s.LogAppendResponse,
+        "the stream after this chunk: appended at `offset`, or nothing stored for a resend of text already "
+        "received (`stored: false`); the stream keeps its last MiB (`dropped` counts what came before)",
+        not_found=UNKNOWN_ATTEMPT,
+        conflict=STALE,
+        forbidden=FORBIDDEN,
+    )
+    def post(self, request, attempt_id: str):
+        data = self.validated(s.LogAppendSerializer, request)
+        state = services.log_append(attempt_id=int(attempt_id), acting_as=principal_id(request), **data)
+        return Response(s.LogAppendResponse(state).data)
 
 
 class StatusView(ProtocolView):

@@ -3,6 +3,7 @@ wait, worker health. Nothing here writes.
 
     status.py    status_document (the `GET status` body), job_counts, active_attempts
     blocked.py   blocked_reasons
+    logs.py      log_streams, log_read (what attempts streamed)
     workers.py   worker_health, worker_can_claim, active_jobs, workers_all, credential_of
 """
 
@@ -10,6 +11,7 @@ from django.db import connection
 
 from .. import sql
 from .blocked import BLOCKED_LIMIT, blocked_reasons, rfc3339
+from .logs import LogText, StreamInfo, latest_attempt_number, log_read, log_streams
 from .status import active_attempts, job_counts, payload_refs, status_document
 from .workers import (
     HEALTHY,
@@ -34,6 +36,8 @@ def affinity_pin(*, key: str) -> str | None:
 __all__ = [
     "BLOCKED_LIMIT",
     "HEALTHY",
+    "LogText",
+    "StreamInfo",
     "STALE",
     "active_attempts",
     "active_jobs",
@@ -41,6 +45,9 @@ __all__ = [
     "blocked_reasons",
     "credential_of",
     "job_counts",
+    "latest_attempt_number",
+    "log_read",
+    "log_streams",
     "payload_refs",
     "rfc3339",
     "status_document",

@@ -15,6 +15,7 @@ transaction. Job and attempt states move only through
                   credential_used, credentials_revoke
     affinity.py   affinity_release (and the pin a claim takes)
     records.py    job_record, job_records, attempt_heartbeat_with_checkpoint (a job's journal), record_of_job, records_of_job
+    logs.py       log_append (a running step's output, streamed by its attempt)
 """
 
 from .affinity import affinity_release
@@ -23,6 +24,7 @@ from .claiming import claim_round, jobs_claim, requirement_cache
 from .common import hash_token
 from .credentials import credential_issue, credential_used, credentials_revoke, worker_enroll, worker_reregister
 from .jobs import job_cancel, job_enqueue, job_enqueue_in
+from .logs import log_append
 from .records import attempt_heartbeat_with_checkpoint, job_record, job_records, record_of_job, records_of_job
 from .workers import worker_drain, worker_heartbeat, worker_register, worker_undrain, workers_forget
 
@@ -44,6 +46,7 @@ __all__ = [
     "job_records",
     "jobs_claim",
     "leases_expire",
+    "log_append",
     "reconcile",
     "record_of_job",
     "records_of_job",

@@ -196,7 +196,10 @@ def test_schema_is_an_openapi_document_of_every_endpoint(api):
         "/api/worker/v1/attempts/{attempt_id}/finish",
         "/api/worker/v1/attempts/{attempt_id}/records",
         "/api/worker/v1/attempts/{attempt_id}/records/list",
+        "/api/worker/v1/attempts/{attempt_id}/logs",
         "/api/worker/v1/status",
+        "/api/worker/v1/instances/{instance_id}/logs",
+        "/api/worker/v1/instances/{instance_id}/logs/{attempt_number}/{step}/{offset}",
     }
     scheme = document["components"]["securitySchemes"]["workerToken"]
     assert (scheme["type"], scheme["scheme"]) == ("http", "bearer") and "credential" in scheme["description"]

@@ -75,7 +75,10 @@ def test_the_document_lists_every_operation(schema):
         "POST /api/worker/v1/attempts/{attempt_id}/finish",
         "POST /api/worker/v1/attempts/{attempt_id}/records",
         "POST /api/worker/v1/attempts/{attempt_id}/records/list",
+        "POST /api/worker/v1/attempts/{attempt_id}/logs",
         "GET /api/worker/v1/status",
+        "GET /api/worker/v1/instances/{instance_id}/logs",
+        "GET /api/worker/v1/instances/{instance_id}/logs/{attempt_number}/{step}/{offset}",
     }
 
 
@@ -93,11 +96,14 @@ def test_generated_requests(schema, world, mode, settings):
 
 def test_unauthenticated_answers_conform(schema, world):
     for operation in operations(schema).values():
+        path_parameters = {
+            "worker_id": world.worker_id, "attempt_id": str(world.attempts[0].attempt_id),
+            "instance_id": str(world.jobs[0].payload["instance_id"]), "attempt_number": "1", "step": "plan", "offset": "0",
+        }  # fmt: skip
+        path_parameters = {k: v for k, v in path_parameters.items() if "{" + k + "}" in operation.path}
         if operation.method.upper() == "GET":
-            case = operation.Case()
+            case = operation.Case(path_parameters=path_parameters)
         else:
-            path_parameters = {"worker_id": world.worker_id, "attempt_id": str(world.attempts[0].attempt_id)}
-            path_parameters = {k: v for k, v in path_parameters.items() if "{" + k + "}" in operation.path}
             case = operation.Case(path_parameters=path_parameters, body={}, media_type="application/json")
         response = case.call(headers={"Authorization": "Bearer wrong"})
         assert response.status_code == 401
@@ -127,6 +133,11 @@ def test_successful_answers_conform(schema, world):
         ),
         ("POST /api/worker/v1/attempts/{attempt_id}/records/list", {"attempt_id": str(a.attempt_id)}, {"token": a.token}),
         (
+            "POST /api/worker/v1/attempts/{attempt_id}/logs",
+            {"attempt_id": str(a.attempt_id)},
+            {"token": a.token, "stream": "plan", "offset": 0, "text": "step output\n"},
+        ),
+        (
             "POST /api/worker/v1/attempts/{attempt_id}/finish",
             {"attempt_id": str(a.attempt_id)},
             {"token": a.token, "outcome": "succeeded", "summary": {"k": [1, "v"]}, "error": None},
@@ -151,4 +162,12 @@ def test_successful_answers_conform(schema, world):
         statuses.append(call(case, CONFORMANCE, as_worker).status_code)
     response = call(ops["GET /api/worker/v1/status"].Case(), CONFORMANCE)
     assert response.status_code == 200
-    assert statuses == [200, 200, 200, 200, 200, 200, 200, 200, 409, 200, 409]
+    assert statuses == [200, 200, 200, 200, 200, 200, 200, 200, 200, 409, 200, 409]
+    instance = {"instance_id": str(world.jobs[0].payload["instance_id"])}
+    assert world.jobs[0].pk == a.job_id
+    listing = call(ops["GET /api/worker/v1/instances/{instance_id}/logs"].Case(path_parameters=instance), CONFORMANCE)
+    assert [step["step"] for step in listing.json()["steps"]] == ["plan"]
+    page = ops["GET /api/worker/v1/instances/{instance_id}/logs/{attempt_number}/{step}/{offset}"].Case(
+        path_parameters={**instance, "attempt_number": "1", "step": "plan", "offset": "0"}
+    )
+    assert call(page, CONFORMANCE).json()["text"] == "step output\n"

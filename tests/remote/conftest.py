@@ -82,6 +82,7 @@ BETA = Spec(pool="beta", labels=("arm",), capabilities=("gpu",))
 
 STEP = r"""
 printf '%s %s %s %s\n' "$APIARY_WORKER_ID" "$APIARY_JOB_ID" "$APIARY_ATTEMPT" "$$" > "$MARKS/job$APIARY_JOB_ID.a$APIARY_ATTEMPT"
+echo "started $APIARY_WORKFLOW attempt $APIARY_ATTEMPT"
 if [ -n "$HOLD" ]; then
   while [ ! -e "$GATES/$APIARY_TASK_TITLE" ]; do sleep 0.05; done
 fi

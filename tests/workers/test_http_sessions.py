@@ -146,4 +146,4 @@ def test_the_sessions_keep_no_cookies_so_concurrent_requests_share_only_the_pool
     transport.heartbeat(attempt_id=1, token="x")
     server.release.set()
     claim.join(WAIT)
-    assert [len(session.cookies) for session in transport.sessions] == [0, 0, 0]
+    assert [len(session.cookies) for session in transport.sessions] == [0, 0, 0, 0]

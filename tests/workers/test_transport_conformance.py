@@ -37,6 +37,7 @@ from django.db import connection
 from jobqueue import services
 from jobqueue.exceptions import InvalidRequest, QueueError, SessionSuperseded, StaleAttempt
 from jobqueue.models import Attempt, AttemptState, Job, JobState, Worker
+from jobqueue.selectors import log_read
 from tests.api.conftest import CANARY
 from tests.factories import enqueue, instance_id, make_task, task_id
 from tests.waiting import wait_for
@@ -108,6 +109,7 @@ class Wire:
         self.inner = inner
         self.calls: list[Call] = []
         self.finish_down = False
+        self.log_answers_lost = 0
 
     def _call(self, name, fn, **args):
         call = Call(name, args)
@@ -144,6 +146,16 @@ class Wire:
 
     def records(self, **args):
         return self._call("records", self.inner.records, **args)
+
+    def log_append(self, **args):
+        def send(**args):
+            answer = self.inner.log_append(**args)
+            if self.log_answers_lost:  # it arrived; its answer did not
+                self.log_answers_lost -= 1
+                raise TransportError("connection reset after sending (test)")
+            return answer
+
+        return self._call("log_append", send, **args)
 
     def close(self):
         self.inner.close()
@@ -614,3 +626,92 @@ def test_the_runtime_gives_the_executor_its_jobs_journal_and_heartbeats_carry_it
         "publish:open-pr": ("started", {}),
         "checkpoint:implement": ("started", {"content": "session 42, turn 3"}),
     }
+
+
+class LoggingExecutor:
+    """Writes a step's log as the workflow executor does: it tells the journal's log sender where
+    the step's output begins (the file holds an earlier attempt's output), writes a line, holds
+    until released, writes its last line and ends the step."""
+
+    def __init__(self, path):
+        self.path = path
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def run(self, claim, cancel, *, grace, journal=None) -> Outcome:
+        self.path.write_text("an earlier attempt's output\n")
+        journal.logs.step_started("plan", self.path)
+        with self.path.open("a") as log:
+            log.write("first line: é\n")
+        self.started.set()
+        while not self.release.is_set():
+            if cancel.wait(0.01):
+                return Outcome("cancelled", {})
+        with self.path.open("a") as log:
+            log.write("last line\n")
+        journal.logs.step_ended("plan")
+        return Outcome("succeeded", {})
+
+
+def sent_text(runtime) -> str:
+    """The log text the control plane took, as the runtime's calls and their answers show it."""
+    return "".join(c.args["text"] for c in list(runtime.transport.of("log_append")) if c.result is not None and c.result.stored)
+
+
+def logging_runtime(make_runtime, tmp_path, *, answers_lost: int = 0):
+    executor = LoggingExecutor(tmp_path / "plan.log")
+    runtime = make_runtime(executor)
+    runtime.log_interval = 0.01
+    runtime.transport.log_answers_lost = answers_lost
+    assert runtime.claim_once() == 1
+    wait_for(executor.started.is_set, timeout=WAIT, what="the step to start")
+    return executor, runtime
+
+
+def test_a_running_steps_output_reaches_the_control_plane_before_the_step_ends_and_all_of_it_before_the_finish(
+    make_runtime, tmp_path
+):
+    job = enqueue()
+    executor, runtime = logging_runtime(make_runtime, tmp_path)
+    wait_for(lambda: "first line" in sent_text(runtime), timeout=WAIT, what="the running step's first line")
+    assert not executor.release.is_set()  # the step is still running
+
+    executor.release.set()
+    runtime.reap(wait=True)
+    names = [c.name for c in runtime.transport.calls]
+    last_chunk = max(i for i, name in enumerate(names) if name == "log_append")
+    assert last_chunk < names.index("finish")  # a finished attempt takes no more chunks
+    assert runtime.transport.of("log_append")[-1].args["final"] is True
+    log = log_read(job_id=job.pk, attempt_number=1, stream="plan")
+    assert (log.text, log.ended) == ("first line: é\nlast line\n", True)  # not the earlier attempt's output
+    assert fresh(job).state == JobState.SUCCEEDED
+
+
+def test_a_log_chunk_whose_answer_was_lost_is_sent_again_and_stored_once(make_runtime, tmp_path):
+    job = enqueue()
+    executor, runtime = logging_runtime(make_runtime, tmp_path, answers_lost=1)
+    answered = lambda: [c for c in list(runtime.transport.of("log_append")) if c.result is not None]  # noqa: E731
+    wait_for(answered, timeout=WAIT, what="the chunk sent again")
+    first, again = runtime.transport.of("log_append")[:2]
+    assert isinstance(first.error, TransportError) and again.args == first.args
+    assert again.result.stored is False  # the first one was stored: the resend adds nothing
+    executor.release.set()
+    runtime.reap(wait=True)
+    assert log_read(job_id=job.pk, attempt_number=1, stream="plan").text == "first line: é\nlast line\n"
+
+
+def test_a_stale_answer_stops_the_log_sender(make_runtime, tmp_path, clock):
+    job = enqueue()
+    executor, runtime = logging_runtime(make_runtime, tmp_path)
+    wait_for(lambda: "first line" in sent_text(runtime), timeout=WAIT, what="the first line")
+    [active] = runtime.active.values()
+
+    clock.advance(LEASE + 1)
+    services.leases_expire()  # the worker paused past its lease: another worker may run the job now
+    with executor.path.open("a") as log:
+        log.write("written after the lease ran out\n")
+    wait_for(active.logs.stopped.is_set, timeout=WAIT, what="the log sender to stop")
+    refused = [c for c in runtime.transport.of("log_append") if c.error is not None]
+    assert [type(c.error) for c in refused] == [StaleAttempt]  # one refusal, then nothing more is sent
+    crash(runtime)
+    assert log_read(job_id=job.pk, attempt_number=1, stream="plan").text == "first line: é\n"

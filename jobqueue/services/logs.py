@@ -1,0 +1,163 @@
+"""A running step's output, streamed by its attempt (models.LogStream, LogChunk).
+
+The queue keeps opaque text per (attempt, stream name); the layer above names
+the streams (Apiary's workflows: a step's history id) and reads them back
+(`log_streams`, `log_read`). The rules of `log_append`:
+
+* only the job's current, live attempt appends, with its token, under the
+  same identity and stale rules as its heartbeat and its journal
+  (`attempts.fenced_live`): a paused, expired or finished attempt adds nothing;
+* a chunk says where it starts (`offset`, in bytes of UTF-8 text from the
+  stream's start). At the stream's end it is appended; a chunk that lies
+  within what was received is a resend (at-least-once delivery) and adds
+  nothing; one that overlaps the end adds only what lies beyond it; one
+  that starts beyond the end means the sender skipped text it knew would not
+  be kept: what was kept before is dropped and counted;
+* a stream keeps its last MAX_LOG_STREAM_BYTES (the tail: a running step's
+  newest output and a failed step's last words are what an operator reads;
+  the whole log stays in the step's log file on its worker); `dropped`
+  counts the bytes before what is kept, for the reader's truncation marker;
+* `final` ends the stream: nothing more is appended (a resent last chunk
+  still answers as before).
+
+Chunks that arrive while the stream's last row is small extend that row, so a
+stream holds a few dozen rows however often its sender sends.
+"""
+
+import datetime as dt
+import re
+
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Min
+
+from ..clock import Clock
+from ..exceptions import InvalidRequest, Unavailable
+from ..models import LogChunk, LogStream
+from ..types import (
+    LOG_STREAM_PATTERN,
+    MAX_LOG_CHUNK_BYTES,
+    MAX_LOG_OFFSET,
+    MAX_LOG_STREAM_BYTES,
+    MAX_LOG_STREAMS_PER_ATTEMPT,
+    LogState,
+)
+from . import attempts
+from .common import now_of, service
+
+_STREAM_RE = re.compile(LOG_STREAM_PATTERN + r"\Z")
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def _checked(stream: str, offset: int, text: str) -> bytes:
+    """The chunk's text as UTF-8; InvalidRequest naming the field that is not a chunk's."""
+    if not isinstance(stream, str) or not _STREAM_RE.match(stream):
+        raise InvalidRequest(
+            f"stream must be 1–255 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit, got {stream!r:.80}",
+            field="stream",
+        )
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= MAX_LOG_OFFSET:
+        raise InvalidRequest(f"offset must be an integer from 0 to {MAX_LOG_OFFSET}", field="offset")
+    if not isinstance(text, str):
+        raise InvalidRequest("text must be a string", field="text")
+    if _UNSTORABLE.search(text):  # the offsets count the text as sent: it is never rewritten here
+        raise InvalidRequest("text must hold no NUL and no lone surrogate", field="text")
+    data = text.encode("utf-8")
+    if len(data) > MAX_LOG_CHUNK_BYTES:
+        raise InvalidRequest(f"text must be at most {MAX_LOG_CHUNK_BYTES} bytes of UTF-8", field="text")
+    if offset + len(data) > MAX_LOG_OFFSET:
+        raise InvalidRequest(f"the stream would pass {MAX_LOG_OFFSET} bytes", field="offset")
+    return data
+
+
+def _state(row: LogStream, *, stored: bool) -> LogState:
+    return LogState(row.name, row.received, row.dropped, row.ended, stored)
+
+
+def _stream_of(fenced, attempt_id: int, name: str, now: dt.datetime) -> LogStream:
+    row = LogStream.objects.filter(attempt_id=attempt_id, name=name).first()
+    if row is not None:
+        return row
+    if LogStream.objects.filter(attempt_id=attempt_id).count() >= MAX_LOG_STREAMS_PER_ATTEMPT:
+        raise InvalidRequest(f"an attempt keeps at most {MAX_LOG_STREAMS_PER_ATTEMPT} log streams", field="stream")
+    try:
+        with transaction.atomic():
+            return LogStream.objects.create(
+                attempt_id=attempt_id, job_id=fenced.job_id, name=name, created_at=now, updated_at=now
+            )
+    except IntegrityError:  # the same stream begun by a concurrent call
+        raise Unavailable(f"log stream {name!r} of attempt {attempt_id} was begun concurrently; send again") from None
+
+
+def _append(row: LogStream, offset: int, data: bytes) -> tuple[int, int]:
+    """Store `data` at `offset` (== row.received, or beyond it: a skip); (received, dropped) after."""
+    dropped = row.dropped
+    if offset > row.received:  # the sender skipped text: what came before is no tail of the stream now
+        LogChunk.objects.filter(stream=row).delete()
+        dropped = offset
+    last = LogChunk.objects.filter(stream=row).order_by("-offset").first()
+    text = data.decode("utf-8")
+    if last is not None and last.offset + last.size == offset and last.size + len(data) <= MAX_LOG_CHUNK_BYTES:
+        LogChunk.objects.filter(pk=last.pk).update(text=last.text + text, size=last.size + len(data))
+    else:
+        LogChunk.objects.create(stream=row, offset=offset, size=len(data), text=text)
+    received = offset + len(data)
+    if received - dropped > MAX_LOG_STREAM_BYTES:  # keep the tail: whole rows, at most the cap
+        LogChunk.objects.filter(stream=row, offset__lt=received - MAX_LOG_STREAM_BYTES).delete()
+        first = LogChunk.objects.filter(stream=row).aggregate(first=Min("offset"))["first"]
+        dropped = received if first is None else first
+    return received, dropped
+
+
+@service
+def log_append(
+    *,
+    attempt_id: int,
+    token: str,
+    stream: str,
+    offset: int,
+    text: str,
+    final: bool = False,
+    acting_as: str | None = None,
+    clock: Clock | None = None,
+) -> LogState:
+    """Append `text` at `offset` to the attempt's `stream` (the module's rules); the stream after it."""
+    data = _checked(stream, offset, text)
+    now = now_of(clock)
+    with connection.cursor() as cursor:
+        fenced = attempts.fenced_live(cursor, attempt_id, token, now, acting_as)
+    row = _stream_of(fenced, attempt_id, stream, now)
+    end = offset + len(data)
+    if end <= row.received:  # a resend of text already received (or an empty chunk within it)
+        if final and end == row.received and not row.ended:
+            _move(row, received=row.received, dropped=row.dropped, ended=True, now=now)
+            row.ended = True
+        return _state(row, stored=False)
+    if row.ended:
+        raise InvalidRequest(
+            f"stream {stream!r} of attempt {attempt_id} ended at {row.received} bytes; nothing follows its last chunk",
+            field="offset",
+        )
+    if offset < row.received:  # overlaps the end: only what lies beyond it is new
+        try:
+            data[row.received - offset :].decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequest(
+                f"offset {offset} overlaps the stream's end ({row.received}) inside a character", field="offset"
+            ) from None
+        data, offset = data[row.received - offset :], row.received
+    received, dropped = _append(row, offset, data)
+    _move(row, received=received, dropped=dropped, ended=final, now=now)
+    row.received, row.dropped, row.ended = received, dropped, final
+    return _state(row, stored=True)
+
+
+def _move(row: LogStream, *, received: int, dropped: int, ended: bool, now: dt.datetime) -> None:
+    """The stream's compare-and-set: from the end this call read, or nothing (a concurrent append)."""
+    updated = LogStream.objects.filter(pk=row.pk, received=row.received, ended=row.ended).update(
+        received=received, dropped=dropped, ended=ended, updated_at=now
+    )
+    if updated != 1:
+        raise Unavailable(f"log stream {row.name!r} of attempt {row.attempt_id} was appended to concurrently; send again")
+
+
+__all__ = ["LogState", "log_append"]

@@ -1,0 +1,100 @@
+"""The worker's log sender (workers/logstream.py) on its own: it never makes the step wait,
+it holds one chunk at a time however much a step prints (skipping to the tail the control
+plane keeps), and it cuts chunks at whole UTF-8 characters."""
+
+import threading
+
+from jobqueue.types import MAX_LOG_CHUNK_BYTES, MAX_LOG_STREAM_BYTES, Claim, LogState
+from tests.waiting import wait_for
+from workers.logstream import READ_BYTES, LogSender, complete_prefix, text_of
+
+WAIT = 10.0
+CLAIM = Claim(job_id=1, attempt_id=7, attempt_number=1, token="t", lease_expires_at=None, agent="a", runner="shell", payload={})
+
+
+class Recorder:
+    """A control plane that keeps what it is sent (by offset), or hangs until released."""
+
+    def __init__(self, *, hang: bool = False):
+        self.chunks: list[dict] = []
+        self.hang = threading.Event() if hang else None
+
+    def log_append(self, **chunk) -> LogState:
+        if self.hang is not None:
+            self.hang.wait()
+        self.chunks.append(chunk)
+        end = chunk["offset"] + len(chunk["text"].encode())
+        return LogState(chunk["stream"], end, 0, chunk["final"], True)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_step_never_waits_for_a_control_plane_that_does_not_answer(tmp_path):
+    transport = Recorder(hang=True)
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01)
+    path = tmp_path / "step.log"
+    path.write_text("output\n")
+    sender.step_started("plan", path)  # returns although the first send hangs
+    sender.step_ended("plan")
+    assert sender.close(timeout=0) is False  # the finish goes on; the logs were not all sent
+    transport.hang.set()
+    sender.thread.join(WAIT)
+
+
+def test_more_than_is_kept_is_skipped_to_the_tail_one_chunk_at_a_time(tmp_path):
+    transport = Recorder()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01)
+    path = tmp_path / "step.log"
+    path.write_bytes(b"")
+    sender.step_started("plan", path)
+    path.write_bytes(b"a" * (3 * MAX_LOG_STREAM_BYTES) + b"the end\n")
+    sender.step_ended("plan")
+    assert sender.close(timeout=WAIT) is True
+    assert all(len(c["text"].encode()) <= min(READ_BYTES, MAX_LOG_CHUNK_BYTES) for c in transport.chunks)
+    sent = sum(len(c["text"]) for c in transport.chunks)
+    assert sent <= MAX_LOG_STREAM_BYTES  # not the 3 MiB the step printed
+    assert transport.chunks[0]["offset"] > 0 and transport.chunks[-1]["text"].endswith("the end\n")
+    assert transport.chunks[-1]["final"] and transport.chunks[-1]["offset"] + len(transport.chunks[-1]["text"]) == path.stat().st_size
+
+
+def test_chunks_end_at_whole_characters_and_offsets_count_the_text_sent(tmp_path):
+    transport = Recorder()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01)
+    path = tmp_path / "step.log"
+    path.write_bytes(b"")
+    sender.step_started("plan", path)
+    path.write_bytes("é".encode() * READ_BYTES + b"\xff\x00 bad bytes\n")
+    sender.step_ended("plan")
+    assert sender.close(timeout=WAIT) is True
+    text = "".join(c["text"] for c in transport.chunks)
+    assert text == "é" * READ_BYTES + "\ufffd\ufffd bad bytes\n"
+    offset = 0
+    for chunk in transport.chunks:
+        assert chunk["offset"] == offset
+        offset += len(chunk["text"].encode())
+
+
+def test_complete_prefix_keeps_an_unfinished_character_for_the_next_read():
+    data = "aé€😀".encode()
+    assert complete_prefix(data) == len(data)
+    assert complete_prefix(data[:-1]) == len(data) - 4
+    assert complete_prefix(data[:-2]) == len(data) - 4
+    assert complete_prefix("é".encode()[:1]) == 0
+    assert text_of(b"a\x00b") == "a\ufffdb"
+
+
+def test_a_stopped_sender_sends_nothing_more(tmp_path):
+    transport = Recorder()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01)
+    path = tmp_path / "step.log"
+    path.write_text("one\n")
+    sender.step_started("plan", path)
+    path.write_text("one\ntwo\n")
+    wait_for(lambda: transport.chunks, timeout=WAIT, what="a first chunk")
+    sender.stop()
+    sender.thread.join(WAIT)
+    count = len(transport.chunks)
+    sender.step_started("later", path)
+    sender.step_ended("later")
+    assert sender.close(timeout=0) in (True, False) and len(transport.chunks) == count
