@@ -12,11 +12,14 @@ from .. import sql
 from .blocked import BLOCKED_LIMIT, blocked_reasons, rfc3339
 from .status import active_attempts, job_counts, payload_refs, status_document
 from .workers import (
+    EXITED,
+    HEALTHS,
     HEALTHY,
     STALE,
     active_jobs,
     credential_of,
     worker_can_claim,
+    worker_exited,
     worker_health,
     worker_is_draining,
     workers_all,
@@ -33,6 +36,8 @@ def affinity_pin(*, key: str) -> str | None:
 
 __all__ = [
     "BLOCKED_LIMIT",
+    "EXITED",
+    "HEALTHS",
     "HEALTHY",
     "STALE",
     "active_attempts",
@@ -45,6 +50,7 @@ __all__ = [
     "rfc3339",
     "status_document",
     "worker_can_claim",
+    "worker_exited",
     "worker_health",
     "worker_is_draining",
     "workers_all",
