@@ -25,6 +25,7 @@ USAGE = """usage: apiary COMMAND [options]   (apiary COMMAND --help for its opti
   worker token create ID | worker token revoke ID [--previous] | worker token list
   task add --source S --title T [--body B] [--workflow W]…
   cancel INSTANCE
+  retry INSTANCE                       queue a failed or cancelled instance again (a new attempt)
   affinity release TASK
   backup PATH                          a consistent copy of the SQLite database (0600)
   restore PATH                         replace it with a backup (refused while `apiary run` runs)
