@@ -234,7 +234,10 @@ class JobEvent(models.Model):
 
     class Meta:
         ordering = ["id"]
-        indexes = [models.Index(fields=["job", "id"], name="jobevent_job")]
+        indexes = [
+            models.Index(fields=["job", "id"], name="jobevent_job"),
+            models.Index(fields=["at"], name="jobevent_at"),  # the dashboard's last hour
+        ]
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} job {self.job_id} {self.kind}"

@@ -161,7 +161,8 @@ def job_retry(*, job_id: int, actor: str | None = None, clock: Clock | None = No
     publishes and spawns are never done again; records.py) — and its next claim is a new
     attempt, numbered after the last. Its budgets start afresh: max_attempts and the retry
     policy count only attempts after this one (`retried_through`). What its last end left is
-    cleared (finished_at, reason, summary, a cancel request). Its follow-ups stay: each is
+    cleared (finished_at, reason, a cancel request); its summary (the last finished attempt's
+    account, naming that attempt) stays until the next finish replaces it. Its follow-ups stay: each is
     enqueued at most once per outcome (its own dedup key), so a retried job that now
     succeeds enqueues its `succeeded` follow-ups, while those of the outcome it already had
     (a failure hook that ran) are not enqueued again. Refused (InvalidRequest, naming the
@@ -184,7 +185,7 @@ def job_retry(*, job_id: int, actor: str | None = None, clock: Clock | None = No
     with connection.cursor() as cursor:
         job_move(
             cursor, job_id=job.pk, old=before, new=JobState.QUEUED, available_at=now, finished_at=None, reason="",
-            summary={}, cancel_requested_at=None, current_attempt_id=None, retried_through=job.attempt_count,
+            cancel_requested_at=None, current_attempt_id=None, retried_through=job.attempt_count,
         )  # fmt: skip
         event(
             cursor, job_id=job.pk, kind="retried", at=now, previous_state=before, previous_reason=reason,
