@@ -59,4 +59,4 @@ def apply(config: Config) -> None:
     conf.configure(config.queue_config())
     settings.APIARY_WORKER_TOKEN = config.settings.queue.worker_token or ""
     settings.APIARY_PREVIOUS_WORKER_TOKENS = config.settings.queue.previous_worker_tokens
-    security.apply(config.settings.queue)
+    security.apply(config.settings.queue, config.settings.admin.listen)

@@ -133,10 +133,19 @@ class QueueSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdminSettings:
+    """settings.admin: the admin and dashboard on an address of their own, without the worker
+    protocol (local mode's UI; beside settings.queue.listen, a loopback-only admin)."""
+
+    listen: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     concurrency: int = 0  # the project limit unless queue.concurrency.default_project is set; 0 = none
     worker_capacity: int = 1
     queue: QueueSettings = QueueSettings()
+    admin: AdminSettings = AdminSettings()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +180,8 @@ class Config:
 # The keys each section accepts: anything else is reported as unknown, with a
 # did-you-mean, rather than silently ignored.
 TOP_KEYS = ("project", "settings", "agents", "workflows", "sources")
-SETTINGS_KEYS = ("concurrency", "worker_capacity", "queue")
+SETTINGS_KEYS = ("concurrency", "worker_capacity", "queue", "admin")
+ADMIN_KEYS = ("listen",)
 QUEUE_KEYS = (
     "listen",
     "worker_token",
