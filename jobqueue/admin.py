@@ -199,11 +199,17 @@ def cancel_results(request, modeladmin, rows) -> None:
             modeladmin.message_user(request, f"{what}: job {', '.join(ids)}", messages.SUCCESS)
 
 
-def release_results(request, modeladmin, keys) -> None:
-    """Release each affinity key (one service call each) and say which were pinned."""
+def release_results(request, modeladmin, keys, rows=None) -> None:
+    """Release each affinity key (one service call each) and say which were pinned; a release
+    is logged (LogEntry) on the selected rows that named its key (`rows`: {key: [row, …]})."""
     released, unpinned = [], []
     for key in sorted(set(k for k in keys if k)):
-        (released if services.affinity_release(key=key, actor=actor(request)) else unpinned).append(key)
+        if services.affinity_release(key=key, actor=actor(request)):
+            released.append(key)
+            for row in (rows or {}).get(key, ()):
+                modeladmin.log_change(request, row, f"affinity released: {key}")
+        else:
+            unpinned.append(key)
     if released:
         modeladmin.message_user(request, f"affinity released: {', '.join(released)}", messages.SUCCESS)
     if unpinned:
@@ -328,11 +334,15 @@ class JobAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
 
     @admin.action(description="Release affinity of the selected jobs", permissions=("operate",))
     def release_affinity(self, request, queryset):
-        rows = list(queryset.values_list("pk", "affinity_key"))
-        unpinnable = [str(pk) for pk, key in rows if key is None]
+        jobs = list(queryset)
+        unpinnable = [str(job.pk) for job in jobs if job.affinity_key is None]
         if unpinnable:
             self.message_user(request, f"not affinity jobs: job {', '.join(unpinnable)}", messages.INFO)
-        release_results(request, self, [key for _, key in rows if key is not None])
+        rows: dict = {}
+        for job in jobs:
+            if job.affinity_key is not None:
+                rows.setdefault(job.affinity_key, []).append(job)
+        release_results(request, self, list(rows), rows)
 
 
 @admin.register(Affinity)
@@ -344,7 +354,8 @@ class AffinityAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
 
     @admin.action(description="Release selected pins", permissions=("operate",))
     def release(self, request, queryset):
-        release_results(request, self, queryset.values_list("key", flat=True))
+        pins = list(queryset)
+        release_results(request, self, [p.key for p in pins], {p.key: [p] for p in pins})
 
 
 @admin.register(JobEvent)

@@ -176,3 +176,12 @@ def test_the_worker_page_lists_operator_actions_with_their_actor(admin_client, b
     services.worker_drain(worker_id="w1", actor="cli:ops")
     page = admin_client.get(url(Worker, "change", "w1")).content.decode()
     assert "drain_requested cli:ops" in page
+
+
+def test_release_actions_are_logged_on_the_rows_that_named_the_pin(admin_client, busy_queue):
+    from workflows.models import Task
+
+    task = busy_queue["task"]
+    act(admin_client, Task, "release_affinity", [task.pk])
+    assert logged(Task.objects.get(pk=task.pk)) == [f"affinity released: task:{task.pk}"]
+    assert WorkerEvent.objects.get(kind="affinity_released").detail == {"key": f"task:{task.pk}", "actor": "admin"}

@@ -110,7 +110,8 @@ class TaskAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
 
     @admin.action(description="Release affinity of selected tasks", permissions=("operate",))
     def release_affinity(self, request, queryset):
-        release_results(request, self, [affinity_key(pk) for pk in queryset.values_list("id", flat=True)])
+        tasks = {affinity_key(task.pk): [task] for task in queryset}
+        release_results(request, self, list(tasks), tasks)
 
     def get_queryset(self, request):
         return selectors.with_state(super().get_queryset(request))
