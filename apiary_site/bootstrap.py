@@ -59,7 +59,7 @@ def apply(config: Config) -> None:
     conf.configure(config.queue_config())
     settings.APIARY_WORKER_TOKEN = config.settings.queue.worker_token or ""
     settings.APIARY_PREVIOUS_WORKER_TOKENS = config.settings.queue.previous_worker_tokens
-    security.apply(config.settings.queue)
+    security.apply(config.settings.queue, config.settings.admin.listen)
     settings.APIARY_METRICS = config.settings.metrics  # who may scrape /metrics (apiary_site.metrics)
     settings.APIARY_STATE = config.state_dir  # where /healthz finds the reaper's beat
     logformat.apply(config.settings.log_format)

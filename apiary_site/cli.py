@@ -26,6 +26,7 @@ USAGE = """usage: apiary COMMAND [options]   (apiary COMMAND --help for its opti
   task add --source S --title T [--body B] [--workflow W]…
   cancel INSTANCE
   logs INSTANCE [--step S] [-f] [--control-plane URL --token-file F]
+  retry INSTANCE                       queue a failed or cancelled instance again (a new attempt)
   affinity release TASK
   backup PATH                          a consistent copy of the SQLite database (0600)
   restore PATH                         replace it with a backup (refused while `apiary run` runs)

@@ -2,7 +2,9 @@
 
 `apiary run` starts this module as a child process (`python -m
 apiary_site.listener --bind HOST:PORT …`) when `settings.queue.listen` is
-set. A child, not threads in the daemon: gunicorn's arbiter owns its
+set, and with `--admin-bind HOST:PORT` when `settings.admin.listen` is: that
+address serves the admin and dashboard only — the worker protocol answers 404
+there (apiary_site.asgi), so local mode gets a UI without exposing the protocol. A child, not threads in the daemon: gunicorn's arbiter owns its
 process's signals and forks workers, which must not happen in a process
 that already runs the control plane's threads.
 
@@ -109,7 +111,7 @@ class ListenerApplication(BaseApplication):
         return application
 
 
-def options_for(bind: str, listener: ListenerOptions = DEFAULTS) -> dict:
+def options_for(bind: str | list[str], listener: ListenerOptions = DEFAULTS) -> dict:
     ApiaryHttp.request_timeout = listener.request_timeout  # the class uvicorn instantiates per connection
     return {
         "bind": bind,
@@ -129,11 +131,17 @@ def options_for(bind: str, listener: ListenerOptions = DEFAULTS) -> dict:
     }
 
 
-def start(bind: str, *, config_path: str, listener: ListenerOptions = DEFAULTS) -> subprocess.Popen:
-    """Start the listener as a child process of the daemon."""
+def start(
+    bind: str | None, *, config_path: str, listener: ListenerOptions = DEFAULTS, admin_bind: str | None = None
+) -> subprocess.Popen:
+    """Start the listener as a child process of the daemon: the worker protocol (and the
+    admin) on `bind`, the admin alone on `admin_bind`; either may be None, not both."""
+    if not bind and not admin_bind:
+        raise ValueError("a listener needs an address: bind or admin_bind")
     env = {**os.environ, "APIARY_CONFIG": config_path, "APIARY_ASGI": "1"}
+    where = [*(["--bind", bind] if bind else []), *(["--admin-bind", admin_bind] if admin_bind else [])]
     argv = [
-        sys.executable, "-m", "apiary_site.listener", "--bind", bind, "--parent", str(os.getpid()),
+        sys.executable, "-m", "apiary_site.listener", *where, "--parent", str(os.getpid()),
         "--processes", str(listener.processes),
         "--request-timeout", str(listener.request_timeout),
         "--idle-timeout", str(listener.idle_timeout),
@@ -173,20 +181,27 @@ def _metrics_dir() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Serve the Apiary worker protocol with gunicorn.")
-    parser.add_argument("--bind", required=True)
+    parser.add_argument("--bind", help="HOST:PORT serving the worker protocol and the admin")
+    parser.add_argument("--admin-bind", help="HOST:PORT serving the admin only (the worker protocol answers 404)")
     parser.add_argument("--parent", type=int, help="pid of the daemon; the listener stops when it is gone")
     parser.add_argument("--processes", type=int, default=ListenerOptions.processes)
     parser.add_argument("--request-timeout", type=float, default=ListenerOptions.request_timeout)
     parser.add_argument("--idle-timeout", type=float, default=ListenerOptions.idle_timeout)
     args = parser.parse_args()
-    if os.environ.get("APIARY_DEBUG") == "1" and not is_loopback(args.bind):  # as `apiary run` refuses it
-        sys.exit(f"apiary listener: refusing APIARY_DEBUG=1 on {args.bind} (not loopback)")
+    binds = [b for b in (args.bind, args.admin_bind) if b]
+    if not binds:
+        parser.error("give --bind, --admin-bind or both")
+    for bind in binds:
+        if os.environ.get("APIARY_DEBUG") == "1" and not is_loopback(bind):  # as `apiary run` refuses it
+            sys.exit(f"apiary listener: refusing APIARY_DEBUG=1 on {bind} (not loopback)")
     os.environ["APIARY_ASGI"] = "1"  # settings: no persistent connections, a pool on PostgreSQL
     _metrics_dir()
+    # Which socket serves the worker protocol (apiary_site.asgi reads it in each process).
+    os.environ["APIARY_PROTOCOL_BIND"] = args.bind or ""
     if args.parent:
         exit_with_parent(args.parent)  # in the arbiter only: forked workers do not inherit threads
     options = ListenerOptions(args.processes, args.request_timeout, args.idle_timeout)
-    ListenerApplication(options_for(args.bind, options)).run()
+    ListenerApplication(options_for(binds, options)).run()
 
 
 if __name__ == "__main__":

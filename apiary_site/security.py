@@ -39,26 +39,29 @@ def machine_names() -> list[str]:
     return sorted(n for n in names if n)
 
 
-def allowed_hosts(queue: QueueSettings) -> list[str]:
+def allowed_hosts(queue: QueueSettings, admin_listen: str | None = None) -> list[str]:
     """Loopback names always (the daemon's own tools and a proxy on this
-    machine use them), the listen address's host, `allowed_hosts`; on a
-    wildcard listen without `allowed_hosts`, this machine's names."""
+    machine use them), the listen addresses' hosts (settings.queue.listen and
+    settings.admin.listen), `allowed_hosts`; on a wildcard listen without
+    `allowed_hosts`, this machine's names."""
     hosts = list(LOOPBACK_HOSTS)
-    if queue.listen:
-        host = listen_host(queue.listen)
+    for listen in (queue.listen, admin_listen):
+        if not listen:
+            continue
+        host = listen_host(listen)
         if host in WILDCARD_HOSTS:
             if not queue.allowed_hosts:
                 hosts += machine_names()
-        elif not is_loopback(queue.listen):
+        elif not is_loopback(listen):
             hosts.append(f"[{host}]" if ":" in host else host)
     hosts += queue.allowed_hosts
     return list(dict.fromkeys(h.lower() for h in hosts))
 
 
-def django_settings(queue: QueueSettings) -> dict:
+def django_settings(queue: QueueSettings, admin_listen: str | None = None) -> dict:
     tls = queue.tls
     values = {
-        "ALLOWED_HOSTS": allowed_hosts(queue),
+        "ALLOWED_HOSTS": allowed_hosts(queue, admin_listen),
         "SECURE_PROXY_SSL_HEADER": None,
         "SECURE_SSL_REDIRECT": False,
         "SECURE_REDIRECT_EXEMPT": REDIRECT_EXEMPT,
@@ -81,20 +84,21 @@ def django_settings(queue: QueueSettings) -> dict:
     return values
 
 
-def apply(queue: QueueSettings) -> None:
-    for name, value in django_settings(queue).items():
+def apply(queue: QueueSettings, admin_listen: str | None = None) -> None:
+    for name, value in django_settings(queue, admin_listen).items():
         setattr(settings, name, value)
 
 
-def refusals(queue: QueueSettings, *, debug: bool) -> list[str]:
+def refusals(queue: QueueSettings, *, debug: bool, admin_listen: str | None = None) -> list[str]:
     """Why `apiary run` must not start with this config (empty: it may).
     The short-token refusal is a config error (workflows.config.settings)."""
     problems = []
-    if debug and queue.listen and not is_loopback(queue.listen):
-        problems.append(
-            f"APIARY_DEBUG=1 with settings.queue.listen {queue.listen} (not loopback): Django's debug pages "
-            "show settings and source to anyone who can reach the listener; unset APIARY_DEBUG or listen on 127.0.0.1"
-        )
+    for key, listen in (("settings.queue.listen", queue.listen), ("settings.admin.listen", admin_listen)):
+        if debug and listen and not is_loopback(listen):
+            problems.append(
+                f"APIARY_DEBUG=1 with {key} {listen} (not loopback): Django's debug pages "
+                "show settings and source to anyone who can reach the listener; unset APIARY_DEBUG or listen on 127.0.0.1"
+            )
     return problems
 
 

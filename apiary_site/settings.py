@@ -60,7 +60,7 @@ DEBUG = os.environ.get("APIARY_DEBUG") == "1"
 ALLOWED_HOSTS = ["localhost", "127.0.0.1", "[::1]"]
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "apiary_site.apps.ApiaryAdminConfig",  # django.contrib.admin with Apiary's site and dashboard
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -196,6 +196,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
+FORMAT_MODULE_PATH = ["apiary_site.formats"]  # times to the second
 USE_I18N = False
 USE_TZ = True
 

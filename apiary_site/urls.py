@@ -1,6 +1,7 @@
 from django.contrib import admin
 from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import include, path, re_path
+from django.views.generic import RedirectView
 
 from apiary_site.monitoring import healthz_view, metrics_view
 from jobqueue.api.views import UnsupportedProtocolView
@@ -20,6 +21,7 @@ WORKFLOW_PROTOCOL = [
 ]
 
 urlpatterns = [
+    path("", RedirectView.as_view(url="/admin/", permanent=False)),  # the dashboard: Apiary has no other page
     path("admin/", admin.site.urls),
     # Monitoring (apiary_site.monitoring): Prometheus scrapes, health probes.
     path("metrics", metrics_view),

@@ -45,8 +45,9 @@ JOB_TRANSITIONS: dict[str, frozenset[str]] = {
         }
     ),
     JobState.SUCCEEDED: frozenset(),
-    JobState.FAILED: frozenset(),
-    JobState.CANCELLED: frozenset(),
+    # An operator's retry (services.job_retry): the same job again, as a new attempt.
+    JobState.FAILED: frozenset({JobState.QUEUED}),
+    JobState.CANCELLED: frozenset({JobState.QUEUED}),
 }
 
 
@@ -143,6 +144,9 @@ class Job(models.Model):
     retry_backoff = models.FloatField(default=_RETRY.backoff)
     retry_backoff_max = models.FloatField(default=_RETRY.backoff_max)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    # Attempts numbered up to this one count against neither max_attempts nor the retry
+    # policy: an operator's retry (services.job_retry) gives the job its whole budget again.
+    retried_through = models.PositiveIntegerField(default=0)
     current_attempt = models.OneToOneField(
         "Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="current_of"
     )
@@ -230,7 +234,10 @@ class JobEvent(models.Model):
 
     class Meta:
         ordering = ["id"]
-        indexes = [models.Index(fields=["job", "id"], name="jobevent_job")]
+        indexes = [
+            models.Index(fields=["job", "id"], name="jobevent_job"),
+            models.Index(fields=["at"], name="jobevent_at"),  # the dashboard's last hour
+        ]
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} job {self.job_id} {self.kind}"
@@ -261,12 +268,33 @@ class Worker(models.Model):
     pid = models.IntegerField(null=True, blank=True)
     registered_at = models.DateTimeField()
     last_heartbeat_at = models.DateTimeField()
+    # An operator forgot it (services.worker_forget): out of every list and of the blocked-job
+    # reasons until it registers or heartbeats again. A row, not a delete: its attempts are history.
+    forgotten_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["worker_id"]
 
     def __str__(self) -> str:
         return self.worker_id
+
+
+class WorkerEvent(models.Model):
+    """What an operator did to a worker (drain, undrain, forget, credentials revoked, a pin
+    released), with who did it in `detail["actor"]`. By id, not a foreign key: the worker
+    may never have registered (a credential issued ahead) and a forgotten one keeps its events."""
+
+    worker_id = models.CharField(max_length=128)
+    kind = models.CharField(max_length=32)
+    at = models.DateTimeField()
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["worker_id", "id"], name="workerevent_worker")]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} worker {self.worker_id} {self.kind}"
 
 
 class RecordState(models.TextChoices):

@@ -144,9 +144,16 @@ UPDATE queue_attempt SET lease_expires_at = %s, last_heartbeat_at = %s WHERE id 
 
 FOLLOW_UPS = "SELECT follow_ups FROM queue_job WHERE id = %s"
 
-FAILED_ATTEMPTS = "SELECT COUNT(*) FROM queue_attempt WHERE job_id = %s AND state = 'failed'"
+# What counts against a job's budgets: its attempts since an operator's last retry (job_retry).
+FAILED_ATTEMPTS = """
+SELECT COUNT(*) FROM queue_attempt a JOIN queue_job j ON j.id = a.job_id
+ WHERE a.job_id = %s AND a.state = 'failed' AND a.number > j.retried_through
+"""
 
-EXPIRED_ATTEMPTS = "SELECT COUNT(*) FROM queue_attempt WHERE job_id = %s AND state = 'expired'"
+EXPIRED_ATTEMPTS = """
+SELECT COUNT(*) FROM queue_attempt a JOIN queue_job j ON j.id = a.job_id
+ WHERE a.job_id = %s AND a.state = 'expired' AND a.number > j.retried_through
+"""
 
 REQUEST_CANCEL = """
 UPDATE queue_job SET cancel_requested_at = %s, reason = %s
@@ -157,8 +164,9 @@ UPDATE queue_job SET cancel_requested_at = %s, reason = %s
 
 # The columns a guarded move may set besides `state` (services.transitions).
 JOB_COLUMNS = frozenset(
-    {"available_at", "current_attempt_id", "attempt_count", "summary", "reason", "finished_at", "cancel_requested_at"}
-)
+    {"available_at", "current_attempt_id", "attempt_count", "summary", "reason", "finished_at", "cancel_requested_at",
+     "retried_through"}
+)  # fmt: skip
 ATTEMPT_COLUMNS = frozenset({"finished_at", "error", "job_state"})
 
 

@@ -3,7 +3,7 @@ import pytest
 from jobqueue import conf
 from jobqueue.clock import FrozenClock, set_clock
 
-pytest_plugins = ["tests.pg"]
+pytest_plugins = ["tests.pg", "tests.admin_fixtures"]
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from django.urls import reverse
 
 from jobqueue import services
 from jobqueue.models import Affinity, Attempt, Job, JobEvent, JobState, RequirementSet, Worker
-from tests.factories import claim, enqueue, instance_id, make_task, register
-from workflows.models import StepRun, Task, TaskState, WorkflowInstance
+from tests.factories import claim, enqueue, instance_id, make_task
+from workflows.models import Task, TaskState, WorkflowInstance
 from workflows.selectors import task_state
 from workflows.services import affinity_key
 
@@ -39,20 +39,6 @@ def act(client, model, action: str, ids) -> str:
     )
     assert response.status_code == 200
     return "\n".join(str(m) for m in response.context["messages"])
-
-
-@pytest.fixture
-def busy_queue(clock):
-    """A running job with an attempt, a queued job, a pinned task, step history."""
-    worker = register("w1", pool="build", capacity=2)
-    task = make_task()
-    running = enqueue(task, affinity=True, pool="build")
-    [c] = claim(worker)
-    queued = enqueue(pool="build", labels=["linux"])
-    StepRun.objects.create(
-        instance_id=instance_id(running), attempt_number=1, step_id="plan", status="running", started_at=clock.now()
-    )
-    return {"worker": worker, "task": task, "running": running, "queued": queued, "claim": c}
 
 
 def test_job_admin_is_under_the_queue_label():

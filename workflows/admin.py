@@ -9,9 +9,19 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 
-from jobqueue import services
-from jobqueue.admin import OperateMixin, ReadOnlyMixin, cancel_results, release_results
-from jobqueue.models import Job
+from jobqueue.admin import (
+    JobAdmin,
+    OperateMixin,
+    ReadOnlyMixin,
+    cancel_one,
+    cancel_results,
+    each_logged,
+    release_results,
+    retry_one,
+)
+from jobqueue.clock import get_clock
+from jobqueue.durations import human
+from jobqueue.models import Job, JobState
 
 from . import logs, selectors
 from .models import StepRun, Task, TaskState, WorkflowInstance
@@ -20,16 +30,28 @@ from .services import affinity_key
 TAIL_BYTES = 4000  # of each step's log on the instance page
 
 
+def preformatted(text: str):
+    """Step output as it was printed: line breaks and spacing kept, escaped."""
+    return format_html('<pre class="apiary-log">{}</pre>', text) if text else "—"
+
+
 class StepRunInline(ReadOnlyMixin, admin.TabularInline):
     model = StepRun
-    fields = ("attempt_number", "step_id", "status", "note", "worker_id", "started_at", "ended_at", "exit_code", "log_path")
+    fields = (
+        "attempt_number", "step_id", "status", "worker_id", "started_at", "ended_at", "took", "exit_code", "output", "log_path",
+    )  # fmt: skip
     readonly_fields = fields
     extra = 0
 
-    @admin.display(description="note")
-    def note(self, obj: StepRun) -> str:
-        """Why a skipped step did not run (the journal recorded it done); its tail says so."""
-        return obj.output_tail if obj.status == "skipped" else ""
+    @admin.display(description="took")
+    def took(self, obj: StepRun) -> str:
+        end = obj.ended_at or get_clock().now()
+        return human((end - obj.started_at).total_seconds()) + ("" if obj.ended_at else " so far")
+
+    @admin.display(description="output (last lines)")
+    def output(self, obj: StepRun):
+        """The output's tail as printed; for a skipped step, why it did not run (the journal recorded it done)."""
+        return preformatted(obj.output_tail)
 
 
 class InstanceInline(ReadOnlyMixin, admin.TabularInline):
@@ -45,7 +67,7 @@ class InstanceInline(ReadOnlyMixin, admin.TabularInline):
 
     @admin.display(description="state")
     def state(self, obj: WorkflowInstance) -> str:
-        return obj.job.state if obj.job else "—"
+        return selectors.instance_state(obj.job)
 
     @admin.display(description="finished at")
     def finished_at(self, obj: WorkflowInstance):
@@ -90,7 +112,8 @@ class TaskAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
 
     @admin.action(description="Release affinity of selected tasks", permissions=("operate",))
     def release_affinity(self, request, queryset):
-        release_results(request, self, [affinity_key(pk) for pk in queryset.values_list("id", flat=True)])
+        tasks = {affinity_key(task.pk): [task] for task in queryset}
+        release_results(request, self, list(tasks), tasks)
 
     def get_queryset(self, request):
         return selectors.with_state(super().get_queryset(request))
@@ -102,13 +125,50 @@ class TaskAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
 
 @admin.register(WorkflowInstance)
 class WorkflowInstanceAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
-    list_display = ("id", "workflow", "task", "generation", "state", "parent", "created_at", "finished_at")
+    list_display = ("id", "workflow", "task", "title", "generation", "state", "parent", "created_at", "finished_at")
     list_filter = ("job__state", "workflow")
-    search_fields = ("workflow", "task__item_key")
+    search_fields = ("workflow", "task__item_key", "task__title")
     list_select_related = ("task", "job", "parent__task")
     inlines = (StepRunInline, ChildInstanceInline)
-    actions = ("cancel_instances",)
-    readonly_fields = ("hooks", "log_tail")
+    actions = ("cancel_instances", "retry_instances")
+    readonly_fields = ("state", "job_link", "reported_steps", "hooks", "log_tail")
+    operations = {"cancel": "Cancel", "retry": "Retry"}
+
+    @admin.display(description="title", ordering="task__title")
+    def title(self, obj: WorkflowInstance) -> str:
+        return obj.task.title
+
+    @admin.display(description="job")
+    def job_link(self, obj: WorkflowInstance):
+        if obj.job is None:
+            return "—"
+        return format_html('<a href="{}">job {}</a>', reverse("admin:queue_job_change", args=[obj.job.pk]), obj.job.pk)
+
+    @admin.display(description="steps its last finished attempt reported")
+    def reported_steps(self, obj: WorkflowInstance):
+        """The job summary's steps (all a remote worker's history the control plane has) as a table."""
+        steps = selectors.summary_steps(obj.job)
+        if not steps:
+            return "—"
+        attempt = obj.job.summary.get("attempt") if isinstance(obj.job.summary, dict) else None
+        head = format_html(
+            "<p>attempt {} on {}</p>", attempt or "?", obj.job.summary.get("worker_id") or "?"
+        )  # fmt: skip
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (st["id"] or "?", st["status"] or "?", "" if st["exit_code"] is None else st["exit_code"],
+                 human(st["duration"]) if isinstance(st["duration"], int | float) else "",
+                 preformatted(st["error"] or st["output_tail"] or (f"reused: {st['reused']}" if st["reused"] else "")))
+                for st in steps
+            ),
+        )  # fmt: skip
+        return format_html(
+            "{}<table><thead><tr><th>step</th><th>status</th><th>exit</th><th>took</th><th>output (last lines)</th>"
+            "</tr></thead><tbody>{}</tbody></table>",
+            head, rows,
+        )  # fmt: skip
 
     @admin.display(description="hooks")
     def hooks(self, obj: WorkflowInstance):
@@ -151,15 +211,64 @@ class WorkflowInstanceAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
             ),
         )  # fmt: skip
 
+    def available(self, obj: WorkflowInstance) -> list[str]:
+        job = obj.job
+        if job is None:
+            return []
+        ops = []
+        if not job.terminal and job.cancel_requested_at is None:
+            ops.append("cancel")
+        if job.state in (JobState.FAILED, JobState.CANCELLED):
+            ops.append("retry")
+        return ops
+
+    def perform(self, request, obj: WorkflowInstance, name: str) -> str:
+        message = (cancel_one if name == "cancel" else retry_one)(request, obj.job)
+        return f"instance {obj.pk}: {message}"
+
+    def _rows(self, queryset):
+        return [(i, i.job) for i in queryset.select_related("job").order_by("job_id") if i.job]
+
     @admin.action(description="Cancel selected instances", permissions=("operate",))
     def cancel_instances(self, request, queryset):
-        jobs = [instance.job for instance in queryset.select_related("job").order_by("job_id") if instance.job]
-        cancel_results(request, self, jobs, lambda job: services.job_cancel(job_id=job.pk))
+        cancel_results(request, self, self._rows(queryset))
+
+    @admin.action(description="Retry selected instances (failed or cancelled: a new attempt)", permissions=("operate",))
+    def retry_instances(self, request, queryset):
+        each_logged(request, self, self._rows(queryset), retry_one)
 
     @admin.display(description="state", ordering="job__state")
     def state(self, obj: WorkflowInstance) -> str:
-        return obj.job.state if obj.job else "—"
+        return selectors.instance_state(obj.job)
 
     @admin.display(description="finished at", ordering="job__finished_at")
     def finished_at(self, obj: WorkflowInstance):
         return obj.job.finished_at if obj.job else None
+
+
+# The queue's job list, with what a workflow job's payload names: its task's title (searchable)
+# and its instance. The queue reads no payload; this layer wrote it, so it reads it here.
+admin.site.unregister(Job)
+
+
+@admin.register(Job)
+class WorkflowJobAdmin(JobAdmin):
+    list_display = ("id", "title", "instance", *JobAdmin.list_display[1:])
+    search_fields = ("key", "payload__task__title")
+
+    @admin.display(description="task title")
+    def title(self, job: Job) -> str:
+        task = job.payload.get("task") if isinstance(job.payload, dict) else None
+        title = task.get("title") if isinstance(task, dict) else None
+        hook = job.payload.get("hook") if isinstance(job.payload, dict) else None
+        if isinstance(hook, dict):
+            return f"{title or ''} (on {hook.get('outcome')} hook)"
+        return title or "—"
+
+    @admin.display(description="instance")
+    def instance(self, job: Job):
+        instance_id = job.payload.get("instance_id") if isinstance(job.payload, dict) else None
+        if not isinstance(instance_id, int):
+            return "—"
+        url = reverse("admin:workflows_workflowinstance_change", args=[instance_id])
+        return format_html('<a href="{}">{}</a>', url, instance_id)

@@ -3,9 +3,45 @@ state are read from their jobs, never from a copy."""
 
 from django.db.models import Case, CharField, Exists, F, OuterRef, QuerySet, Subquery, Value, When
 
-from jobqueue.models import TERMINAL_JOB_STATES
+from jobqueue.models import TERMINAL_JOB_STATES, Job, JobState
 
-from .models import Task, TaskState, WorkflowInstance
+from .models import StepRun, Task, TaskState, WorkflowInstance
+
+RUNNING = "running"
+
+
+def instance_state(job: Job | None) -> str:
+    """An instance's state as an operator reads it: its job's, but `running` while the job is
+    leased (an attempt holds it), and `—` before dispatch gave it one."""
+    if job is None:
+        return "—"
+    if job.state == JobState.LEASED:
+        return f"{RUNNING} (cancel requested)" if job.cancel_requested_at else RUNNING
+    return job.state
+
+
+def current_steps(instance_ids) -> dict[int, str]:
+    """{instance id: the step it runs now}, from the step history the embedded worker writes
+    (one query). A remote worker's steps arrive with its finish, so its instances are absent."""
+    rows = (
+        StepRun.objects.filter(instance_id__in=list(instance_ids), status=RUNNING, ended_at__isnull=True)
+        .order_by("instance_id", "attempt_number", "started_at", "id")
+        .values_list("instance_id", "step_id")
+    )
+    return dict(rows)  # the newest running step of each instance wins
+
+
+def summary_steps(job: Job | None) -> list[dict]:
+    """The steps a job's last finished attempt reported in its summary (a remote worker's only
+    account of them on the control plane): [{"id", "status", "exit_code", "duration",
+    "output_tail", "error"}]; [] when it reported none."""
+    summary = job.summary if job is not None and isinstance(job.summary, dict) else {}
+    steps = summary.get("steps") if isinstance(summary.get("steps"), list) else []
+    return [
+        {key: step.get(key) for key in ("id", "status", "exit_code", "duration", "output_tail", "error", "reused")}
+        for step in steps
+        if isinstance(step, dict)
+    ]
 
 
 def instance_of(*, instance_id: int) -> WorkflowInstance | None:

@@ -11,6 +11,7 @@ CommandError saying so, never a traceback.
 
 import argparse
 import contextlib
+import getpass
 
 from django.core.management.base import CommandError
 from django.db import DatabaseError, connection
@@ -34,3 +35,13 @@ def queue_database():
     except (DatabaseError, Unavailable) as exc:
         where = connection.settings_dict["NAME"]
         raise CommandError(f"cannot use the queue database {where} ({exc}); has `apiary run` run here?") from None
+
+
+def cli_actor() -> str:
+    """Who an operator command acts for, in the events it writes: `cli:<os user>`."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no name for this uid (a container's arbitrary user)
+        import os
+
+        return f"cli:uid {os.getuid()}"

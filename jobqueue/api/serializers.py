@@ -386,7 +386,7 @@ class StatusWorker(serializers.Serializer):
     capabilities = serializers.ListField(child=serializers.CharField())
     capacity = serializers.IntegerField()
     active_jobs = serializers.IntegerField()
-    health = serializers.ChoiceField(choices=["healthy", "stale"])
+    health = serializers.ChoiceField(choices=["healthy", "stale", "exited"])
     draining = serializers.BooleanField()
     ready = serializers.BooleanField()
     last_heartbeat_at = serializers.DateTimeField()

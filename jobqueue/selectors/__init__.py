@@ -14,11 +14,14 @@ from .blocked import BLOCKED_LIMIT, blocked_reasons, rfc3339
 from .logs import LogText, StreamInfo, latest_attempt_number, log_read, log_streams
 from .status import active_attempts, job_counts, payload_refs, status_document
 from .workers import (
+    EXITED,
+    HEALTHS,
     HEALTHY,
     STALE,
     active_jobs,
     credential_of,
     worker_can_claim,
+    worker_exited,
     worker_health,
     worker_is_draining,
     workers_all,
@@ -35,6 +38,8 @@ def affinity_pin(*, key: str) -> str | None:
 
 __all__ = [
     "BLOCKED_LIMIT",
+    "EXITED",
+    "HEALTHS",
     "HEALTHY",
     "LogText",
     "StreamInfo",
@@ -52,6 +57,7 @@ __all__ = [
     "rfc3339",
     "status_document",
     "worker_can_claim",
+    "worker_exited",
     "worker_health",
     "worker_is_draining",
     "workers_all",

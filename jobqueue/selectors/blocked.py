@@ -14,7 +14,7 @@ from .. import conf
 from ..clock import get_clock
 from ..conf import DIMENSIONS
 from ..models import Affinity, Attempt, AttemptState, Job, JobState, RequirementSet, Worker
-from .workers import HEALTHY, active_jobs, worker_health, worker_is_draining, workers_all
+from .workers import EXITED, HEALTHY, STALE, active_jobs, worker_health, worker_is_draining, workers_all
 
 # The `blocked` list names at most this many jobs: on a deep queue whose
 # workers are all gone, listing every job would make status as slow as the queue is long.
@@ -157,9 +157,15 @@ class _Judge:
         matching = [w for w in self.workers if _satisfies(req, w)]
         if not matching:
             return _mismatch(req, self.workers)
-        healthy = [w for w in matching if worker_health(w, now=self.now, timeout=self.timeout) == HEALTHY]
+        health = {w.worker_id: worker_health(w, now=self.now, timeout=self.timeout) for w in matching}
+        healthy = [w for w in matching if health[w.worker_id] == HEALTHY]
         if not healthy:
-            return f"no healthy worker (stale: {_some([w.worker_id for w in matching])})"
+            gone = [
+                f"{state}: {_some(ids)}"
+                for state in (STALE, EXITED)
+                if (ids := [w.worker_id for w in matching if health[w.worker_id] == state])
+            ]
+            return f"no healthy worker ({'; '.join(gone)})"
         able = [w for w in healthy if w.ready and not worker_is_draining(w)]
         if not able:
             if all(worker_is_draining(w) for w in healthy):
@@ -177,8 +183,9 @@ class _Judge:
         lacks = _lacks(req, worker)
         if lacks:
             return f"{prefix} ({lacks})"
-        if worker_health(worker, now=self.now, timeout=self.timeout) != HEALTHY:
-            return f"{prefix} (stale)"
+        health = worker_health(worker, now=self.now, timeout=self.timeout)
+        if health != HEALTHY:
+            return f"{prefix} ({health})"
         if worker_is_draining(worker):
             return f"{prefix} (draining)"
         if not worker.ready:

@@ -15,11 +15,23 @@ from ..types import hash_token
 
 HEALTHY = "healthy"
 STALE = "stale"
+EXITED = "exited"
+HEALTHS = (HEALTHY, STALE, EXITED)
+
+
+def worker_exited(worker: Worker) -> bool:
+    """The worker's last word was its goodbye: a drained worker's runtime sends one last
+    heartbeat with `draining: true, ready: false` as it exits (workers.runtime), and no
+    running worker sends that pair. Its next registration clears both."""
+    return bool(worker.draining and not worker.ready)
 
 
 def worker_health(worker: Worker, *, now: dt.datetime, timeout: float | None = None) -> str:
-    """Return "healthy" or "stale" (stale when more than `timeout` seconds, default
-    the configured worker_timeout, have passed since the last heartbeat)."""
+    """Return "exited" (it said goodbye: worker_exited), else "healthy" or "stale" (stale
+    when more than `timeout` seconds, default the configured worker_timeout, have passed
+    since the last heartbeat). An exited worker stays "exited", never turns stale."""
+    if worker_exited(worker):
+        return EXITED
     if timeout is None:
         timeout = conf.current().worker_timeout
     silent = (now - worker.last_heartbeat_at).total_seconds()
@@ -51,13 +63,18 @@ def active_jobs(*, now: dt.datetime, worker_ids: Iterable[str] | None = None) ->
 
 
 def workers_all() -> list[Worker]:
-    return list(Worker.objects.order_by("worker_id"))
+    """Every worker but the forgotten (services.worker_forget)."""
+    return list(Worker.objects.filter(forgotten_at__isnull=True).order_by("worker_id"))
 
 
 def workers_with_active_jobs(*, now: dt.datetime) -> QuerySet[Worker]:
-    """Workers annotated with `live_attempts` (active, lease not yet passed), in one query."""
+    """Workers (forgotten ones too) annotated with `live_attempts` (active, lease not yet
+    passed) and `held_attempts` (active at all), in one query."""
     live = Q(attempts__state=AttemptState.ACTIVE, attempts__lease_expires_at__gt=now)
-    return Worker.objects.annotate(live_attempts=Count("attempts", filter=live))
+    return Worker.objects.annotate(
+        live_attempts=Count("attempts", filter=live),
+        held_attempts=Count("attempts", filter=Q(attempts__state=AttemptState.ACTIVE)),
+    )
 
 
 def credential_of(secret: str) -> tuple[int, str, bool] | None:

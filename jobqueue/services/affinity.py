@@ -10,7 +10,7 @@ from ..clock import Clock
 from ..models import Affinity
 from ..wakeup import Wake
 from ..wakeup.emit import emit
-from .common import log, postgres, service
+from .common import log, now_of, postgres, service, worker_event
 
 PIN_LOCK_SPACE = 0x41504941  # "APIA": the advisory-lock key space of affinity pins
 
@@ -33,11 +33,14 @@ def pin(cursor, key: str, worker_id: str, now: dt.datetime) -> bool | None:
 
 
 @service
-def affinity_release(*, key: str, clock: Clock | None = None) -> bool:
-    """Unpin an affinity key; its waiting jobs go to any eligible worker. False when it was not pinned."""
-    deleted, _ = Affinity.objects.filter(key=key).delete()
+def affinity_release(*, key: str, actor: str | None = None, clock: Clock | None = None) -> bool:
+    """Unpin an affinity key; its waiting jobs go to any eligible worker. False when it was not
+    pinned. The worker it was pinned to gets an `affinity_released` event naming the key and `actor`."""
+    pin = Affinity.objects.filter(key=key).first()
+    deleted, _ = Affinity.objects.filter(key=key).delete() if pin else (0, None)
     if deleted:
         log.info("affinity released: %s", key)
+        worker_event(worker_id=pin.worker_id, kind="affinity_released", at=now_of(clock), actor=actor, key=key)
         with connection.cursor() as cursor:
             emit(cursor, Wake(requirements=None))  # its jobs may go to anyone now
     return bool(deleted)

@@ -41,3 +41,16 @@ def postgres() -> bool:
 def event(cursor, *, job_id: int, kind: str, at: dt.datetime, worker_id=None, attempt_id=None, **detail) -> None:
     """A JobEvent row, in the transition's own transaction."""
     cursor.execute(sql.INSERT_EVENT, [job_id, kind, sql.ts(at), worker_id, attempt_id, sql.js(detail)])
+
+
+def actor_of(actor: str | None) -> dict:
+    """The `actor` detail of an operator's event (the admin user's name, `cli:<os user>`); none
+    for the queue's own moves."""
+    return {"actor": actor} if actor else {}
+
+
+def worker_event(*, worker_id: str, kind: str, at: dt.datetime, actor: str | None = None, **detail) -> None:
+    """A WorkerEvent row (an operator's action on a worker), in the service's transaction."""
+    from ..models import WorkerEvent  # models import nothing of the services; this keeps common.py model-free
+
+    WorkerEvent.objects.create(worker_id=worker_id, kind=kind, at=at, detail={**detail, **actor_of(actor)})

@@ -31,7 +31,7 @@ from ..exceptions import (
 from ..models import Attempt, AttemptState, Worker, WorkerCredential
 from ..types import CREDENTIAL_PREFIX, WORKER_ID_PATTERN, WORKER_ID_RE
 from .attempts import expire
-from .common import hash_token, now_of, postgres, service
+from .common import hash_token, now_of, postgres, service, worker_event
 from .identity import acting_as as check_acting_as
 from .identity import refuse_reserved
 from .workers import register
@@ -91,7 +91,7 @@ def credential_issue(*, worker_id: str, clock: Clock | None = None) -> tuple[Wor
 
 @service
 def credentials_revoke(
-    *, worker_id: str, keep_newest: bool = False, clock: Clock | None = None
+    *, worker_id: str, keep_newest: bool = False, actor: str | None = None, clock: Clock | None = None
 ) -> list[WorkerCredential]:
     """Revoke the id's credentials (all, or all but the newest: the end of a
     rotation's overlap). Revoking all of them also expires the attempts the
@@ -114,6 +114,10 @@ def credentials_revoke(
             expire(attempt, now, f"worker {worker_id}'s credentials were revoked")
     for credential in live:
         credential.revoked_at = now
+    worker_event(
+        worker_id=worker_id, kind="credentials_revoked", at=now, actor=actor, credentials=len(live),
+        keep_newest=keep_newest,
+    )  # fmt: skip
     return live
 
 

@@ -13,7 +13,7 @@ from ..text import clean
 from ..types import CLAIM_FIELDS, Retry
 from ..wakeup import Wake
 from ..wakeup.emit import emit
-from .common import event, now_of, postgres, service
+from .common import actor_of, event, now_of, postgres, service
 from .followups import checked_follow_ups
 from .transitions import checked, job_move
 
@@ -120,7 +120,7 @@ def job_enqueue_in(
 job_enqueue = service(job_enqueue_in)
 
 
-def _cancel(job: Job, now: dt.datetime, reason: str) -> Job:
+def _cancel(job: Job, now: dt.datetime, reason: str, actor: str | None = None) -> Job:
     if job.terminal or job.cancel_requested_at is not None:
         return job
     with connection.cursor() as cursor:
@@ -130,19 +130,68 @@ def _cancel(job: Job, now: dt.datetime, reason: str) -> Job:
                 finished_at=now, reason=reason, cancel_requested_at=now,
             )
             job.state, job.finished_at = JobState.CANCELLED, now
-            event(cursor, job_id=job.pk, kind="cancelled", at=now, reason=reason)
+            event(cursor, job_id=job.pk, kind="cancelled", at=now, reason=reason, **actor_of(actor))
         else:  # leased: the next heartbeat answers cancel; expiry settles it if no heartbeat ever comes
             checked(cursor, sql.REQUEST_CANCEL, [sql.ts(now), reason, job.pk], f"cancel request of job {job.pk}")
-            event(cursor, job_id=job.pk, kind="cancel_requested", at=now, reason=reason)
+            event(cursor, job_id=job.pk, kind="cancel_requested", at=now, reason=reason, **actor_of(actor))
     job.cancel_requested_at, job.reason = now, reason
     return job
 
 
 @service
-def job_cancel(*, job_id: int, reason: str = "cancelled on request", clock: Clock | None = None) -> Job:
-    """Queued → cancelled at once; leased → cancel requested; terminal → unchanged."""
+def job_cancel(
+    *, job_id: int, reason: str = "cancelled on request", actor: str | None = None, clock: Clock | None = None
+) -> Job:
+    """Queued → cancelled at once; leased → cancel requested; terminal → unchanged.
+    `actor` (who asked: an admin user, `cli:<os user>`) goes in the event."""
     qs = Job.objects.select_for_update() if postgres() else Job.objects
     job = qs.filter(pk=job_id).first()
     if job is None:
         raise NotFound(f"no job {job_id}", job_id=job_id)
-    return _cancel(job, now_of(clock), reason)
+    return _cancel(job, now_of(clock), reason, actor)
+
+
+RETRYABLE = frozenset({JobState.FAILED, JobState.CANCELLED})
+
+
+@service
+def job_retry(*, job_id: int, actor: str | None = None, clock: Clock | None = None) -> Job:
+    """An operator's retry: a failed or cancelled job is queued again as itself — the same
+    key (no second job for the enqueuer's dedup), the same journal (done steps, done
+    publishes and spawns are never done again; records.py) — and its next claim is a new
+    attempt, numbered after the last. Its budgets start afresh: max_attempts and the retry
+    policy count only attempts after this one (`retried_through`). What its last end left is
+    cleared (finished_at, reason, a cancel request); its summary (the last finished attempt's
+    account, naming that attempt) stays until the next finish replaces it. Its follow-ups stay: each is
+    enqueued at most once per outcome (its own dedup key), so a retried job that now
+    succeeds enqueues its `succeeded` follow-ups, while those of the outcome it already had
+    (a failure hook that ran) are not enqueued again. Refused (InvalidRequest, naming the
+    state) for a job that is queued, leased or succeeded."""
+    qs = Job.objects.select_for_update() if postgres() else Job.objects
+    job = qs.filter(pk=job_id).first()
+    if job is None:
+        raise NotFound(f"no job {job_id}", job_id=job_id)
+    if job.state == JobState.SUCCEEDED:
+        raise InvalidRequest(
+            f"job {job_id} succeeded: only a failed or cancelled job can be retried", field="job_id", state=job.state
+        )
+    if job.state not in RETRYABLE:
+        raise InvalidRequest(
+            f"job {job_id} is {job.state}, not finished: only a failed or cancelled job can be retried",
+            field="job_id", state=job.state,
+        )  # fmt: skip
+    now = now_of(clock)
+    before, reason = job.state, job.reason
+    with connection.cursor() as cursor:
+        job_move(
+            cursor, job_id=job.pk, old=before, new=JobState.QUEUED, available_at=now, finished_at=None, reason="",
+            cancel_requested_at=None, current_attempt_id=None, retried_through=job.attempt_count,
+        )  # fmt: skip
+        event(
+            cursor, job_id=job.pk, kind="retried", at=now, previous_state=before, previous_reason=reason,
+            attempts_before=job.attempt_count, **actor_of(actor),
+        )  # fmt: skip
+        pinned = sql.one(cursor, sql.PIN_OF, [job.affinity_key]) if job.affinity_key is not None else None
+        emit(cursor, Wake(requirements=job.requirements_id, worker_id=pinned[0] if pinned else None))
+    job.refresh_from_db()
+    return job

@@ -21,7 +21,7 @@ from ..types import (
 from ..wakeup import Wake
 from ..wakeup.emit import emit
 from .attempts import expire
-from .common import now_of, postgres, service
+from .common import now_of, postgres, service, worker_event
 from .identity import refuse_reserved
 
 
@@ -88,6 +88,7 @@ def register(
         pid=pid,
         registered_at=now,
         last_heartbeat_at=now,
+        forgotten_at=None,  # a forgotten worker that registers is back
     )
     worker, _ = Worker.objects.update_or_create(worker_id=worker_id, defaults=worker_fields)
     for attempt in held:
@@ -129,26 +130,67 @@ def worker_heartbeat(
     worker's `drain_requested` is the operator's answer."""
     now = now_of(clock)
     worker = _worker_for_call(worker_id, session)
-    Worker.objects.filter(pk=worker_id, session=session).update(last_heartbeat_at=now, draining=draining, ready=ready)
+    Worker.objects.filter(pk=worker_id, session=session).update(
+        last_heartbeat_at=now, draining=draining, ready=ready, forgotten_at=None  # forgotten too soon: it is alive
+    )
     worker.last_heartbeat_at, worker.draining, worker.ready = now, draining, ready
     return worker
 
 
-def _set_drain(worker_id: str, requested: bool) -> Worker:
+def _set_drain(worker_id: str, requested: bool, actor: str | None, clock: Clock | None) -> Worker:
     if not Worker.objects.filter(pk=worker_id).update(drain_requested=requested):
         raise NotFound(f"worker {worker_id!r} is not registered", worker_id=worker_id)
+    kind = "drain_requested" if requested else "drain_withdrawn"
+    worker_event(worker_id=worker_id, kind=kind, at=now_of(clock), actor=actor)
     return Worker.objects.get(pk=worker_id)
 
 
 @service
-def worker_drain(*, worker_id: str) -> Worker:
+def worker_drain(*, worker_id: str, actor: str | None = None, clock: Clock | None = None) -> Worker:
     """Ask the worker to stop claiming, finish its jobs and exit; it learns on its next heartbeat."""
-    return _set_drain(worker_id, True)
+    return _set_drain(worker_id, True, actor, clock)
 
 
 @service
-def worker_undrain(*, worker_id: str) -> Worker:
-    worker = _set_drain(worker_id, False)
+def worker_undrain(*, worker_id: str, actor: str | None = None, clock: Clock | None = None) -> Worker:
+    worker = _set_drain(worker_id, False, actor, clock)
     with connection.cursor() as cursor:
         emit(cursor, Wake(requirements=None, worker_id=worker_id))  # it may claim again
+    return worker
+
+
+@service
+def worker_forget(*, worker_id: str, actor: str | None = None, clock: Clock | None = None) -> Worker:
+    """An operator forgets a worker that is gone (stale, or exited after a drain) and holds no
+    active attempt: it leaves the worker lists, the status document and the blocked-job
+    reasons (a job waiting for its pool then says no worker is there) until it registers or
+    heartbeats again. Its row stays, forgotten: its attempts are the jobs' history.
+    InvalidRequest for a healthy worker or one that still holds attempts."""
+    from ..selectors.workers import HEALTHY, worker_health  # read-only; selectors import no service
+
+    now = now_of(clock)
+    qs = Worker.objects.select_for_update() if postgres() else Worker.objects
+    worker = qs.filter(pk=worker_id, forgotten_at__isnull=True).first()
+    if worker is None:
+        raise NotFound(f"worker {worker_id!r} is not registered", worker_id=worker_id)
+    if worker_health(worker, now=now) == HEALTHY:
+        raise InvalidRequest(
+            f"worker {worker_id!r} is healthy (last heartbeat {worker.last_heartbeat_at.isoformat()}): "
+            "only a stale or exited worker can be forgotten; drain it first",
+            field="worker_id",
+        )
+    held = sorted(Attempt.objects.filter(worker_id=worker_id, state=AttemptState.ACTIVE).values_list("job_id", flat=True))
+    if held:
+        raise InvalidRequest(
+            f"worker {worker_id!r} still holds attempts of job {', '.join(map(str, held))}: they end when their "
+            "leases run out (the reaper expires them); forget it after that",
+            field="worker_id",
+        )
+    # Guarded: a heartbeat or registration since the read above means it is back.
+    if not Worker.objects.filter(pk=worker_id, session=worker.session, last_heartbeat_at=worker.last_heartbeat_at).update(
+        forgotten_at=now
+    ):
+        raise InvalidRequest(f"worker {worker_id!r} just came back; not forgotten", field="worker_id")
+    worker_event(worker_id=worker_id, kind="forgotten", at=now, actor=actor, last_heartbeat_at=worker.last_heartbeat_at.isoformat())
+    worker.forgotten_at = now
     return worker

@@ -107,6 +107,18 @@ def leased_to_queued_by_reregistration(clock):
     return job, c, lambda: register("w1")
 
 
+def failed_to_queued_by_operator_retry(clock):
+    job, c = _leased()
+    _finish(c, "failed")()
+    return job, None, lambda: services.job_retry(job_id=job.pk, actor="ops")
+
+
+def cancelled_to_queued_by_operator_retry(clock):
+    job = enqueue()
+    services.job_cancel(job_id=job.pk)
+    return job, None, lambda: services.job_retry(job_id=job.pk, actor="ops")
+
+
 # (job from, job to, attempt to or None): scenarios
 JOB_SCENARIOS = {
     (JobState.QUEUED, JobState.LEASED, None): [queued_to_leased],
@@ -122,6 +134,8 @@ JOB_SCENARIOS = {
         leased_to_queued_by_reregistration,
     ],
     (JobState.LEASED, JobState.QUEUED, AttemptState.FAILED): [leased_to_queued_by_retry],
+    (JobState.FAILED, JobState.QUEUED, None): [failed_to_queued_by_operator_retry],
+    (JobState.CANCELLED, JobState.QUEUED, None): [cancelled_to_queued_by_operator_retry],
 }
 
 CASES = [
@@ -163,10 +177,11 @@ def test_tables_cover_every_state():
         assert all(targets <= set(states) for targets in table.values())
 
 
-def test_terminal_states_have_no_outgoing_edges():
+def test_terminal_states_leave_only_by_an_operators_retry():
     assert {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED} == TERMINAL_JOB_STATES
-    for state in TERMINAL_JOB_STATES:
-        assert JOB_TRANSITIONS[state] == frozenset()
+    assert JOB_TRANSITIONS[JobState.SUCCEEDED] == frozenset()  # a success is never undone
+    for state in (JobState.FAILED, JobState.CANCELLED):
+        assert JOB_TRANSITIONS[state] == frozenset({JobState.QUEUED})  # job_retry, and nothing else
     for state in AttemptState.values:
         if state != AttemptState.ACTIVE:
             assert ATTEMPT_TRANSITIONS[state] == frozenset()

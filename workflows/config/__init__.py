@@ -24,6 +24,7 @@ Callers import from `workflows.config` only; the names below are the API.
 from .checker import parse_duration
 from .loading import DEFAULT_CONFIG_NAME, ConfigError, find_config_path, load
 from .schema import (
+    AdminSettings,
     AgentConfig,
     Config,
     MetricsSettings,
@@ -39,6 +40,7 @@ from .schema import (
 
 __all__ = [
     "DEFAULT_CONFIG_NAME",
+    "AdminSettings",
     "AgentConfig",
     "Config",
     "ConfigError",

@@ -133,6 +133,14 @@ class QueueSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdminSettings:
+    """settings.admin: the admin and dashboard on an address of their own, without the worker
+    protocol (local mode's UI; beside settings.queue.listen, a loopback-only admin)."""
+
+    listen: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class MetricsSettings:
     """settings.metrics: who may scrape /metrics, and where the daemon serves it itself."""
 
@@ -150,6 +158,7 @@ class Settings:
     queue: QueueSettings = QueueSettings()
     metrics: MetricsSettings = MetricsSettings()
     log_format: str = "plain"  # $APIARY_LOG_FORMAT, when set, wins
+    admin: AdminSettings = AdminSettings()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,8 +193,9 @@ class Config:
 # The keys each section accepts: anything else is reported as unknown, with a
 # did-you-mean, rather than silently ignored.
 TOP_KEYS = ("project", "settings", "agents", "workflows", "sources")
-SETTINGS_KEYS = ("concurrency", "worker_capacity", "queue", "metrics", "log_format")
+SETTINGS_KEYS = ("concurrency", "worker_capacity", "queue", "metrics", "log_format", "admin")
 METRICS_KEYS = ("listen", "token")
+ADMIN_KEYS = ("listen",)
 QUEUE_KEYS = (
     "listen",
     "worker_token",

@@ -16,6 +16,7 @@ from workflows.runners import ADAPTER_OF
 
 from .checker import _BAD, _Checker, _default, _describe, _one_of, _seconds
 from .schema import (
+    ADMIN_KEYS,
     CONCURRENCY_KEYS,
     LISTENER_KEYS,
     LOG_FORMATS,
@@ -23,6 +24,7 @@ from .schema import (
     QUEUE_KEYS,
     SETTINGS_KEYS,
     TLS_KEYS,
+    AdminSettings,
     AgentConfig,
     ListenerSettings,
     MetricsSettings,
@@ -53,7 +55,10 @@ def _settings(
     )
     metrics = _metrics(check, section.get("metrics"), queue=queue)
     log_format = _default(check.choice(section.get("log_format"), "settings.log_format", LOG_FORMATS), "plain")
-    return Settings(concurrency=concurrency, worker_capacity=capacity, queue=queue, metrics=metrics, log_format=log_format)
+    admin = _admin(check, section.get("admin"), queue_listen=queue.listen)
+    return Settings(
+        concurrency=concurrency, worker_capacity=capacity, queue=queue, metrics=metrics, log_format=log_format, admin=admin
+    )
 
 
 def _metrics(check: _Checker, raw: Any, *, queue: QueueSettings) -> MetricsSettings:
@@ -78,6 +83,31 @@ def _metrics(check: _Checker, raw: Any, *, queue: QueueSettings) -> MetricsSetti
             f"{listen} is not loopback: set settings.metrics.token too (without it /metrics answers loopback clients only)",
         )
     return MetricsSettings(listen=listen, token=token)
+
+
+def _admin(check: _Checker, raw: Any, *, queue_listen: str | None) -> AdminSettings:
+    p = "settings.admin"
+    section = check.mapping(raw, p, ADMIN_KEYS) or {}
+    listen = check.string(section.get("listen"), f"{p}.listen", empty_is_absent=True)
+    if listen is None:
+        return AdminSettings()
+    if not _valid_listen(listen):
+        check.error(f"{p}.listen", f"expected host:port (such as 127.0.0.1:8000), got {listen!r}")
+        return AdminSettings()
+    if queue_listen is not None and _valid_listen(queue_listen) and listen.rpartition(":")[2] == queue_listen.rpartition(":")[2]:
+        check.error(
+            f"{p}.listen",
+            f"port {listen.rpartition(':')[2]} is settings.queue.listen's, which serves the admin already; "
+            "choose another port, or leave settings.admin.listen out",
+        )
+        return AdminSettings()
+    if not is_loopback(listen):
+        check.warn(
+            f"{p}.listen",
+            f"{listen} is not loopback: the admin's login travels in plain HTTP unless a TLS proxy is in front "
+            "(settings.queue.tls)",
+        )
+    return AdminSettings(listen=listen)
 
 
 def _queue(

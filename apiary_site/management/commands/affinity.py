@@ -2,7 +2,7 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
-from apiary_site.management.inputs import positive_id, queue_database
+from apiary_site.management.inputs import cli_actor, positive_id, queue_database
 from jobqueue import selectors, services
 from workflows.models import Task
 from workflows.services import affinity_key
@@ -23,7 +23,7 @@ class Command(BaseCommand):
                 raise CommandError(f"no task {task_id}")
             key = affinity_key(task_id)
             pinned_to = selectors.affinity_pin(key=key)
-            released = services.affinity_release(key=key)
+            released = services.affinity_release(key=key, actor=cli_actor())
         if released:
             self.stdout.write(f"task {task_id}: released its pin to worker {pinned_to}")
         else:

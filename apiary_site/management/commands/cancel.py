@@ -2,7 +2,7 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
-from apiary_site.management.inputs import positive_id, queue_database
+from apiary_site.management.inputs import cli_actor, positive_id, queue_database
 from jobqueue import services
 from jobqueue.exceptions import NotFound
 from jobqueue.models import TERMINAL_JOB_STATES, JobState
@@ -24,7 +24,7 @@ class Command(BaseCommand):
                 raise CommandError(f"no workflow instance {instance_id}")
             before = instance.job
             try:
-                job = services.job_cancel(job_id=before.pk)
+                job = services.job_cancel(job_id=before.pk, actor=cli_actor())
             except NotFound as exc:
                 raise CommandError(f"no workflow instance {instance_id}: {exc.message}") from exc
         what = f"instance {instance_id} (job {job.pk})"

@@ -2,7 +2,7 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
-from apiary_site.management.inputs import queue_database
+from apiary_site.management.inputs import cli_actor, queue_database
 from jobqueue import services
 from jobqueue.exceptions import NotFound
 
@@ -20,7 +20,7 @@ class Command(BaseCommand):
         call = services.worker_undrain if options["undo"] else services.worker_drain
         try:
             with queue_database():
-                call(worker_id=worker_id)
+                call(worker_id=worker_id, actor=cli_actor())
         except NotFound as exc:
             raise CommandError(f"no worker {worker_id!r}") from exc
         if options["undo"]:

@@ -33,7 +33,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         config = bootstrap.configure(options["config"])
-        refusals = security.refusals(config.settings.queue, debug=settings.DEBUG)
+        refusals = security.refusals(config.settings.queue, debug=settings.DEBUG, admin_listen=config.settings.admin.listen)
         if refusals:  # before anything starts: no state directory, no listener, no migration
             raise CommandError("; ".join(refusals), returncode=2)
         try:  # before anything else starts; held until the daemon has stopped
@@ -58,16 +58,21 @@ class Command(BaseCommand):
 
         listener = None
         queue_settings = config.settings.queue
-        if queue_settings.listen:
-            if not queue_settings.worker_token:
-                raise CommandError(
-                    "settings.queue.listen is set but settings.queue.worker_token is empty: "
-                    "refusing to serve the worker protocol without a token",
-                    returncode=2,
-                )
-            listener = apiary_listener.start(
-                queue_settings.listen, config_path=str(config.path), listener=queue_settings.listener
+        admin_listen = config.settings.admin.listen
+        if queue_settings.listen and not queue_settings.worker_token:
+            raise CommandError(
+                "settings.queue.listen is set but settings.queue.worker_token is empty: "
+                "refusing to serve the worker protocol without a token",
+                returncode=2,
             )
+        if queue_settings.listen or admin_listen:
+            listener = apiary_listener.start(
+                queue_settings.listen, config_path=str(config.path), listener=queue_settings.listener,
+                admin_bind=admin_listen,
+            )  # fmt: skip
+        if admin_listen:
+            log.info("admin and dashboard on http://%s/admin/ (no worker protocol there)", admin_listen)
+        if queue_settings.listen:
             log.info("worker protocol listening on %s (gunicorn + uvicorn, pid %s)", queue_settings.listen, listener.pid)
             log.info(
                 "serving Host headers %s (add others to settings.queue.allowed_hosts); TLS %s",

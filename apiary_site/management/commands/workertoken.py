@@ -9,7 +9,7 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
-from apiary_site.management.inputs import queue_database
+from apiary_site.management.inputs import cli_actor, queue_database
 from jobqueue import services
 from jobqueue.exceptions import NotFound, ReservedWorkerId
 from jobqueue.models import WorkerCredential
@@ -59,7 +59,7 @@ class Command(BaseCommand):
 
     def _revoke(self, worker_id: str, previous: bool) -> None:
         try:
-            revoked = services.credentials_revoke(worker_id=worker_id, keep_newest=previous)
+            revoked = services.credentials_revoke(worker_id=worker_id, keep_newest=previous, actor=cli_actor())
         except NotFound as exc:
             raise CommandError(exc.message) from exc
         hints = ", ".join(f"{c.hint}…" for c in revoked)

@@ -1,0 +1,37 @@
+"""`apiary retry INSTANCE`: queue a failed or cancelled workflow instance's job again (services.job_retry)."""
+
+from django.core.management.base import BaseCommand, CommandError
+
+from apiary_site.management.inputs import cli_actor, positive_id, queue_database
+from jobqueue import services
+from jobqueue.exceptions import InvalidRequest, NotFound
+from workflows.selectors import instance_of
+
+
+class Command(BaseCommand):
+    help = (
+        "Retry a failed or cancelled workflow instance: its job is queued again as a new attempt "
+        "(steps and publishes its journal records done are not run again)."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument("instance", type=positive_id, help="workflow instance id")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (read by the apiary entry point)")
+
+    def handle(self, *args, **options):
+        instance_id = options["instance"]
+        with queue_database():
+            instance = instance_of(instance_id=instance_id)
+            if instance is None or instance.job is None:
+                raise CommandError(f"no workflow instance {instance_id}")
+            before = instance.job.state
+            try:
+                job = services.job_retry(job_id=instance.job.pk, actor=cli_actor())
+            except InvalidRequest as exc:
+                raise CommandError(f"instance {instance_id}: {exc.message}") from exc
+            except NotFound as exc:
+                raise CommandError(f"no workflow instance {instance_id}: {exc.message}") from exc
+        self.stdout.write(
+            f"instance {instance_id} (job {job.pk}) was {before}; queued again, "
+            f"its next run is attempt {job.attempt_count + 1}"
+        )

@@ -1,0 +1,69 @@
+"""`settings.admin.listen` makes `apiary run` serve the admin and dashboard in local mode
+(no settings.queue.listen, no worker token) without exposing the worker protocol: a real
+daemon, its real listener, real HTTP."""
+
+import signal
+import socket
+import textwrap
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.daemon import Daemon, wait_for
+
+pytestmark = pytest.mark.processes
+
+STARTUP = 60.0  # migrate, then gunicorn; generous for a loaded machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - a local test server
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def answering(url: str):
+    try:
+        return get(url)
+    except OSError:
+        return None
+
+
+def test_admin_listen_serves_the_admin_and_answers_404_for_the_worker_protocol(tmp_path):
+    port = free_port()
+    config = tmp_path / "apiary.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        project: local
+        settings:
+          admin:
+            listen: 127.0.0.1:{port}
+        agents:
+          - id: sh
+            runner: shell
+            command: cat
+        """))
+    daemon = Daemon(config)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        status, page = wait_for(lambda: answering(f"{base}/admin/login/"), timeout=STARTUP, what="the admin", daemon=daemon)
+        assert status == 200 and "Apiary" in page and "Django administration" not in page
+        for path in ("/api/worker/v1/status", "/api/worker/v1/claims", "/api/worker/", "/api/worker"):
+            code, body = get(base + path)
+            assert code == 404, path
+            assert "unsupported_protocol" not in body and "error" not in body  # not the protocol's own 404
+        assert get(f"{base}/static/apiary/admin.css")[0] == 200
+        assert "admin and dashboard on http://127.0.0.1:" in daemon.output()
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.send(signal.SIGTERM)
+            daemon.wait(timeout=30)
+        daemon.stop()
