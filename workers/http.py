@@ -77,6 +77,44 @@ def parse_time(value: str) -> dt.datetime:
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
+def _root(exc: BaseException) -> BaseException:
+    """The innermost cause of a requests error: requests wraps urllib3's
+    MaxRetryError, which wraps NewConnectionError, which wraps the OSError."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = exc.__cause__ or getattr(exc, "reason", None) or (exc.args[0] if exc.args else None)
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    return exc
+
+
+def why_unreachable(exc: requests.RequestException, *, connect_timeout: float, read_timeout: float) -> str:
+    """A few words for a call that got no answer ("connection refused"), never
+    urllib3's repr of its whole chain (hundreds of characters per line)."""
+    if isinstance(exc, requests.ConnectTimeout):
+        return f"no connection within {connect_timeout:g}s"
+    if isinstance(exc, requests.ReadTimeout):
+        return f"no answer within {read_timeout:g}s"
+    root = _root(exc)
+    if isinstance(exc, requests.exceptions.SSLError):
+        return f"TLS failed: {getattr(root, 'reason', None) or getattr(root, 'strerror', None) or type(root).__name__}"
+    if isinstance(root, socket.gaierror):
+        return "host name not found" if root.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) else (
+            f"host name lookup failed ({root.strerror})"
+        )
+    if isinstance(root, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(root, ConnectionResetError):
+        return "connection reset"
+    if isinstance(root, OSError) and root.strerror:
+        return root.strerror[:1].lower() + root.strerror[1:]
+    if type(root).__name__ == "RemoteDisconnected":
+        return "the connection closed without an answer"
+    return type(root).__name__  # its text may be a repr of everything above; the class says enough
+
+
 def _session(*, token: str, pool: int) -> requests.Session:
     """A session for one concern: its own pool of `pool` keep-alive connections, no cookies."""
     session = requests.Session()
@@ -174,7 +212,8 @@ class HttpTransport:
                     method, self.base + path, json=body, timeout=(self.connect_timeout, read), verify=self.verify
                 )
             except requests.RequestException as exc:
-                failure = TransportError(f"{method} {path}: {type(exc).__name__}: {exc}")
+                why = why_unreachable(exc, connect_timeout=self.connect_timeout, read_timeout=read)
+                failure = TransportError(f"cannot reach {self.url}: {why}")
             else:
                 if response.status_code < 400:
                     try:

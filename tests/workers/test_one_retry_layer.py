@@ -101,6 +101,8 @@ class FakeSignals:
 class NotYetUp:
     """A runtime whose control plane answers 503 (Retry-After: 1) `failures` times, then registers it."""
 
+    spec = SPEC
+
     def __init__(self, failures: int):
         self.failures = failures
         self.starts = 0

@@ -2,15 +2,17 @@
 
 from pathlib import Path
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import connection
 
 from apiary_site import bootstrap, sqlitefiles
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.management.commands.backup import POSTGRES
 from apiary_site.statelock import StateLock, StateLocked
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "restore"
     help = "Replace the SQLite database with the backup at PATH (checked first); refused while `apiary run` runs."
 
     def add_arguments(self, parser):

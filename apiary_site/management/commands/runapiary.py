@@ -4,10 +4,11 @@ import argparse
 import logging
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from apiary_site import bootstrap, security
 from apiary_site import listener as apiary_listener
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.statelock import StateLock, StateLocked
 from jobqueue import services as queue
 from workflows.controlplane import ControlPlane
@@ -16,7 +17,8 @@ from workflows.daemon import Daemon, embedded_runtime
 log = logging.getLogger("apiary.controlplane")
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "run"
     help = "Run the control plane: migrate, reconcile, poll sources, dispatch, reap leases, run the embedded worker."
 
     def add_arguments(self, parser):

@@ -1,15 +1,17 @@
 """`apiary task add --source S --title T [--body B] [--workflow W]…`: a task by hand."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from apiary_site import bootstrap
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.management.inputs import queue_database
 from jobqueue import jsonlimits
 from workflows import payload as workflow_payload
 from workflows import services
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "task"
     help = "Create a task by hand and dispatch its workflows."
 
     def add_arguments(self, parser):
