@@ -38,6 +38,7 @@ connection errors and 502/503/504 are retried with the same jittered backoff
 """
 
 import datetime as dt
+import http.client
 import http.cookiejar
 import logging
 import os
@@ -83,8 +84,9 @@ def _root(exc: BaseException) -> BaseException:
     seen = set()
     while id(exc) not in seen:
         seen.add(id(exc))
-        inner = exc.__cause__ or getattr(exc, "reason", None) or (exc.args[0] if exc.args else None)
-        if not isinstance(inner, BaseException):
+        candidates = (exc.__cause__, getattr(exc, "reason", None), *exc.args)  # ProtocolError: (text, the cause)
+        inner = next((c for c in candidates if isinstance(c, BaseException)), None)
+        if inner is None:
             break
         exc = inner
     return exc
@@ -104,14 +106,14 @@ def why_unreachable(exc: requests.RequestException, *, connect_timeout: float, r
         return "host name not found" if root.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) else (
             f"host name lookup failed ({root.strerror})"
         )
+    if isinstance(root, http.client.RemoteDisconnected):  # before ConnectionResetError, its base class
+        return "the connection closed without an answer"
     if isinstance(root, ConnectionRefusedError):
         return "connection refused"
     if isinstance(root, ConnectionResetError):
         return "connection reset"
     if isinstance(root, OSError) and root.strerror:
         return root.strerror[:1].lower() + root.strerror[1:]
-    if type(root).__name__ == "RemoteDisconnected":
-        return "the connection closed without an answer"
     return type(root).__name__  # its text may be a repr of everything above; the class says enough
 
 

@@ -19,8 +19,8 @@ class Command(ApiaryCommand):
     help = "Write a consistent copy of the SQLite database to PATH (online: the daemon may keep running)."
 
     def add_arguments(self, parser):
-        parser.add_argument("path")
-        parser.add_argument("--config")
+        parser.add_argument("path", metavar="PATH", help="the copy to write (refused if it exists)")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
 
     def handle(self, *args, **options):
         bootstrap.configure_if_present(options["config"])

@@ -18,7 +18,7 @@ class Command(ApiaryCommand):
     requires_migrations_checks = False
 
     def add_arguments(self, parser):
-        parser.add_argument("--config", help="path to apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
 
     def handle(self, *args, **options):
         try:

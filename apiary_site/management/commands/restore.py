@@ -16,8 +16,8 @@ class Command(ApiaryCommand):
     help = "Replace the SQLite database with the backup at PATH (checked first); refused while `apiary run` runs."
 
     def add_arguments(self, parser):
-        parser.add_argument("path")
-        parser.add_argument("--config", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
+        parser.add_argument("path", metavar="PATH", help="a backup written by `apiary backup` (checked before use)")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
 
     def handle(self, *args, **options):
         config = bootstrap.configure(options["config"])

@@ -22,7 +22,7 @@ class Command(ApiaryCommand):
     help = "Run the control plane: migrate, reconcile, poll sources, dispatch, reap leases, run the embedded worker."
 
     def add_arguments(self, parser):
-        parser.add_argument("--config", help="path to apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
         parser.add_argument(
             "--until-idle",
             action="store_true",
