@@ -55,7 +55,7 @@ def route(argv: list[str]) -> list[str]:
     args = list(argv[1:])
     if not args or args in (["help"], ["-h"], ["--help"]):
         return []
-    if args[0] == "help":  # `apiary help worker drain` is `apiary worker drain --help`
+    if args[0] == "help" and not args[1].startswith("-"):  # `apiary help worker drain` is `apiary worker drain --help`
         return route([argv[0], *args[1:], "--help"])
     if tuple(args[:2]) in SUBCOMMANDS:
         return [argv[0], SUBCOMMANDS[tuple(args[:2])], *args[2:]]

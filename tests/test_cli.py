@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
         (["worker", "token", "list"], ["workertoken", "list"]),
         (["createsuperuser", "--noinput"], ["apiarysuperuser", "--noinput"]),
         (["help", "worker", "drain"], ["drainworker", "--help"]),
+        (["help", "--commands"], ["help", "--commands"]),
         (["status", "--json"], ["status", "--json"]),
         (["migrate"], ["migrate"]),
         ([], []),
