@@ -18,21 +18,22 @@ from workers import private
 from workflows.config import DEFAULT_CONFIG_NAME, Config, ConfigError, find_config_path, load
 
 
-def configure(explicit_path: str | None = None) -> Config:
-    """Find, validate and apply the config; a CommandError (exit 2) lists every problem."""
+def configure(explicit_path: str | None = None, *, require_env: bool = True) -> Config:
+    """Find, validate and apply the config; a CommandError (exit 2) lists every problem.
+    `require_env=False`: unset `${VAR}`s leave their keys absent (workflows.config.load's unset_ok)."""
     try:
-        config = load(find_config_path(explicit_path))
+        config = load(find_config_path(explicit_path), unset_ok=() if require_env else ("",))
     except ConfigError as exc:
         raise CommandError(str(exc), returncode=2) from exc
     apply(config)
     return config
 
 
-def configure_if_present(explicit_path: str | None = None) -> Config | None:
+def configure_if_present(explicit_path: str | None = None, *, require_env: bool = True) -> Config | None:
     """`configure` when there is a config to read: a named one (an error if
     missing), else $APIARY_CONFIG, else ./apiary.yaml; None when there is none."""
     if explicit_path or os.environ.get("APIARY_CONFIG") or Path(DEFAULT_CONFIG_NAME).is_file():
-        return configure(explicit_path)
+        return configure(explicit_path, require_env=require_env)
     return None
 
 

@@ -43,6 +43,21 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def apiary_command(*args: str) -> list[str]:
+    """`apiary ARGS…` as a user types it: through the console script's router
+    (apiary_site.cli), with argv[0] `apiary`. -P: the working directory (a fresh
+    project folder) never shadows the packages; clean_env's PYTHONPATH finds them."""
+    return [sys.executable, "-P", "-c", "import sys; sys.argv[0] = 'apiary'; from apiary_site.cli import main; main()", *args]
+
+
+def apiary(*args: str, cwd: Path, timeout: float = 60.0, **env: str) -> subprocess.CompletedProcess:
+    """Run `apiary ARGS…` in `cwd` to its end, with `env` added to a clean environment."""
+    return subprocess.run(
+        apiary_command(*args), cwd=cwd, env=clean_env(PYTHONPATH=str(REPO), **env),
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )
+
+
 def run(*args: str, config: Path, timeout: float = 60.0, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run one command to its end (`run("status", "--json", config=cfg)`)."""
     return subprocess.run(

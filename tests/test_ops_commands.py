@@ -326,8 +326,8 @@ def test_worker_token_revoke_and_revoke_previous(clock):
     [
         (("create", "embedded"), "reserved"),
         (("create", "bad id!"), "expected 1–128 characters"),
-        (("create",), "usage: worker token"),
-        (("list", "w1"), "usage: worker token"),
+        (("create",), "usage: apiary worker token"),
+        (("list", "w1"), "usage: apiary worker token"),
     ],
 )
 def test_worker_token_bad_input_is_a_clear_error(clock, args, message):

@@ -41,6 +41,7 @@ connection errors and 502/503/504 are retried with the same jittered backoff
 """
 
 import datetime as dt
+import http.client
 import http.cookiejar
 import logging
 import os
@@ -78,6 +79,45 @@ ERRORS = {
 
 def parse_time(value: str) -> dt.datetime:
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _root(exc: BaseException) -> BaseException:
+    """The innermost cause of a requests error: requests wraps urllib3's
+    MaxRetryError, which wraps NewConnectionError, which wraps the OSError."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        candidates = (exc.__cause__, getattr(exc, "reason", None), *exc.args)  # ProtocolError: (text, the cause)
+        inner = next((c for c in candidates if isinstance(c, BaseException)), None)
+        if inner is None:
+            break
+        exc = inner
+    return exc
+
+
+def why_unreachable(exc: requests.RequestException, *, connect_timeout: float, read_timeout: float) -> str:
+    """A few words for a call that got no answer ("connection refused"), never
+    urllib3's repr of its whole chain (hundreds of characters per line)."""
+    if isinstance(exc, requests.ConnectTimeout):
+        return f"no connection within {connect_timeout:g}s"
+    if isinstance(exc, requests.ReadTimeout):
+        return f"no answer within {read_timeout:g}s"
+    root = _root(exc)
+    if isinstance(exc, requests.exceptions.SSLError):
+        return f"TLS failed: {getattr(root, 'reason', None) or getattr(root, 'strerror', None) or type(root).__name__}"
+    if isinstance(root, socket.gaierror):
+        return "host name not found" if root.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) else (
+            f"host name lookup failed ({root.strerror})"
+        )
+    if isinstance(root, http.client.RemoteDisconnected):  # before ConnectionResetError, its base class
+        return "the connection closed without an answer"
+    if isinstance(root, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(root, ConnectionResetError):
+        return "connection reset"
+    if isinstance(root, OSError) and root.strerror:
+        return root.strerror[:1].lower() + root.strerror[1:]
+    return type(root).__name__  # its text may be a repr of everything above; the class says enough
 
 
 def _session(*, token: str, pool: int) -> requests.Session:
@@ -178,7 +218,8 @@ class HttpTransport:
                     method, self.base + path, json=body, timeout=(self.connect_timeout, read), verify=self.verify
                 )
             except requests.RequestException as exc:
-                failure = TransportError(f"{method} {path}: {type(exc).__name__}: {exc}")
+                why = why_unreachable(exc, connect_timeout=self.connect_timeout, read_timeout=read)
+                failure = TransportError(f"cannot reach {self.url}: {why}")
             else:
                 if response.status_code < 400:
                     try:

@@ -9,12 +9,14 @@ wait (and drains the worker when the test has seen enough): nothing sleeps."""
 
 import logging
 import re
+import socket
 import threading
 
 import pytest
 
 from jobqueue.exceptions import InvalidRequest
 from jobqueue.types import Heartbeat
+from workers.http import HttpTransport
 from workers.runtime import WorkerRuntime
 from workers.transport import Registration, TransportError, WorkerSpec
 
@@ -170,3 +172,24 @@ def test_heartbeats_keep_their_cadence_however_far_the_claims_backed_off(control
         runtime.monotonic.now += BEAT
         runtime.heartbeat_once()
     assert [name for name, _ in transport.sent[sent_before:]] == ["worker_heartbeat"] * 3
+
+
+class Unreachable(HttpTransport):
+    """The real HTTP transport, registered, its control plane then gone (nothing listens on the port)."""
+
+    def register(self, spec):
+        return Registration(session="s", lease_duration=LEASE, heartbeat_interval=BEAT, worker_timeout=LEASE)
+
+
+def test_against_a_real_closed_port_each_claim_failure_is_one_short_line_naming_the_wait(caplog):
+    caplog.set_level(logging.WARNING, logger="apiary.worker")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    waits = run_until(runtime_of(Unreachable(base_url=url, token="t", worker_id="w1")), 3)
+    lines = [r.getMessage() for r in caplog.records if "claim failed" in r.getMessage()]
+    assert lines == [
+        f"worker w1: claim failed (cannot reach {url}: connection refused); claiming again in {wait:.2f}s "
+        f"({n} failure(s) in a row)"
+        for n, wait in enumerate(waits, start=1)
+    ]

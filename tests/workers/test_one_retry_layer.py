@@ -6,6 +6,7 @@ wait. Sleeps and jitter are injected."""
 import json
 import logging
 import re
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -101,6 +102,8 @@ class FakeSignals:
 class NotYetUp:
     """A runtime whose control plane answers 503 (Retry-After: 1) `failures` times, then registers it."""
 
+    spec = SPEC
+
     def __init__(self, failures: int):
         self.failures = failures
         self.starts = 0
@@ -175,3 +178,65 @@ def test_a_finish_is_resent_after_the_wait_its_log_names(caplog):
     assert runtime.transport.finishes == 3
     assert sleeps == [1.5, 1.5]
     assert [float(m) for m in re.findall(r"retrying in ([0-9.]+)s", caplog.text)] == sleeps
+
+
+# ---------------------------------------------------------------- what a call that got no answer says
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def silent():
+    """A control plane that accepts connections and then says nothing (`hang`) or closes them (`close`)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held, mode = [], {"close": False}
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            if mode["close"]:  # read the whole request first: closing on unread bytes would be a reset
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, body = data.split(b"\r\n\r\n", 1)
+                length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                conn.close()
+            else:
+                held.append(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", mode
+    server.close()
+    for conn in held:
+        conn.close()
+
+
+def test_a_refused_connection_is_one_short_line():
+    url = f"http://127.0.0.1:{closed_port()}"
+    with pytest.raises(TransportError) as raised:
+        HttpTransport(base_url=url, token="t", worker_id="w1").register(SPEC)
+    assert raised.value.message == f"cannot reach {url}: connection refused"
+
+
+def test_no_answer_names_the_timeout(silent):
+    url, _ = silent
+    with pytest.raises(TransportError) as raised:
+        HttpTransport(base_url=url, token="t", worker_id="w1", read_timeout=0.2).register(SPEC)
+    assert raised.value.message == f"cannot reach {url}: no answer within 0.2s"
+
+
+def test_a_connection_closed_without_an_answer_says_so(silent):
+    url, mode = silent
+    mode["close"] = True
+    with pytest.raises(TransportError) as raised:
+        HttpTransport(base_url=url, token="t", worker_id="w1").register(SPEC)
+    assert raised.value.message == f"cannot reach {url}: the connection closed without an answer"

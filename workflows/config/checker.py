@@ -100,6 +100,8 @@ def parse_duration(value: Any) -> float:
 class _Checker:
     """Collects errors and warnings while the sections are read."""
 
+    unset_ok: tuple[str, ...] = ()  # key paths where an unset `${VAR}` is no error (loading.load)
+
     def __init__(self, display: str):
         self.display = display
         self.errors: list[str] = []

@@ -55,8 +55,14 @@ def find_config_path(explicit: str | None = None) -> Path:
     return candidate
 
 
-def load(path: Path | str, *, environ: Mapping[str, str] | None = None) -> Config:
-    """Read and check `path`; raises ConfigError listing every problem found."""
+def load(path: Path | str, *, environ: Mapping[str, str] | None = None, unset_ok: Iterable[str] = ()) -> Config:
+    """Read and check `path`; raises ConfigError listing every problem found.
+
+    `unset_ok` is for commands that never use what some `${VAR}`s fill in: key
+    paths ("settings.queue"; "" for the whole file) under which an unset
+    variable leaves its key as if it were absent, with no error about it or
+    about what needed it. A remote worker ignores the queue settings (the
+    listener's worker token); a local `apiary status` uses no secret at all."""
     display = str(path)
     absolute = Path(os.path.abspath(Path(path).expanduser()))
     try:
@@ -82,6 +88,7 @@ def load(path: Path | str, *, environ: Mapping[str, str] | None = None) -> Confi
     if not isinstance(raw, dict):
         raise ConfigError(f"{display}: expected a mapping at the top level, got {_describe(raw)}")
     check = _Checker(display)
+    check.unset_ok = tuple(unset_ok)
     tree = _interpolate(check, raw, "", os.environ if environ is None else environ)
     config = _build(check, tree, absolute)
     if check.errors:
@@ -104,6 +111,10 @@ def _interpolate(check: _Checker, value: Any, path: str, environ: Mapping[str, s
     return value
 
 
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(not p or path == p or path.startswith((f"{p}.", f"{p}[")) for p in prefixes)
+
+
 def _interpolate_string(check: _Checker, text: str, path: str, environ: Mapping[str, str]) -> Any:
     """`${NAME}` and `${NAME:-default}` (default when unset or empty); `$${` is a literal `${`.
 
@@ -111,6 +122,7 @@ def _interpolate_string(check: _Checker, text: str, path: str, environ: Mapping[
     """
     out: list[str] = []
     problems: list[str] = []
+    unset = False
     substituted = False
     i = 0
     while (j := text.find("$", i)) >= 0:
@@ -139,7 +151,9 @@ def _interpolate_string(check: _Checker, text: str, path: str, environ: Mapping[
                 check.hide(path, name, found)  # an error about this value names ${NAME}, never the value
             if default is not None and not found:
                 found = default
-            if found is None:
+            if found is None and _under(path, check.unset_ok):
+                unset = True
+            elif found is None:
                 problems.append(
                     f"environment variable {name} is not set (give a default with ${{{name}:-value}}, "
                     f"or write $${{{name}}} for a literal '${{{name}}}')"
@@ -151,5 +165,8 @@ def _interpolate_string(check: _Checker, text: str, path: str, environ: Mapping[
     for problem in problems:
         check.error(path, problem)
     if problems:
+        return _BAD
+    if unset:  # under `unset_ok`: quiet, as an error already reported would be
+        check.failed.add(path)
         return _BAD
     return _Interpolated("".join(out)) if substituted else "".join(out)

@@ -1,14 +1,17 @@
 """`apiary affinity release TASK`: unpin a task so any eligible worker may take its jobs."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from apiary_site.management import firstrun
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.management.inputs import cli_actor, positive_id, queue_database
 from jobqueue import selectors, services
 from workflows.models import Task
 from workflows.services import affinity_key
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "affinity"
     help = "Release a task's affinity pin."
 
     def add_arguments(self, parser):
@@ -18,6 +21,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         task_id = options["task"]
+        # No database yet: one line (firstrun.require_database). A pin exists only once a worker claimed a job.
+        firstrun.require_database()
         with queue_database():
             if not Task.objects.filter(pk=task_id).exists():
                 raise CommandError(f"no task {task_id}")

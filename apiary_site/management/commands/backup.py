@@ -2,10 +2,11 @@
 
 from pathlib import Path
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import connection
 
 from apiary_site import bootstrap, sqlitefiles
+from apiary_site.management.base import ApiaryCommand
 
 POSTGRES = (
     "on PostgreSQL, backups are pg_dump's job: pg_dump --format=custom \"$DATABASE_URL\" > apiary.dump "
@@ -13,12 +14,13 @@ POSTGRES = (
 )
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "backup"
     help = "Write a consistent copy of the SQLite database to PATH (online: the daemon may keep running)."
 
     def add_arguments(self, parser):
-        parser.add_argument("path")
-        parser.add_argument("--config")
+        parser.add_argument("path", metavar="PATH", help="the copy to write (refused if it exists)")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
 
     def handle(self, *args, **options):
         bootstrap.configure_if_present(options["config"])

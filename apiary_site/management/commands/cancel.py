@@ -1,7 +1,9 @@
 """`apiary cancel INSTANCE`: cancel a workflow instance's job through the queue service."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from apiary_site.management import firstrun
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.management.inputs import cli_actor, positive_id, queue_database
 from jobqueue import services
 from jobqueue.exceptions import NotFound
@@ -9,7 +11,8 @@ from jobqueue.models import TERMINAL_JOB_STATES, JobState
 from workflows.selectors import instance_of
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "cancel"
     help = "Cancel a workflow instance: at once when queued, at the worker's next heartbeat when running."
 
     def add_arguments(self, parser):
@@ -18,6 +21,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         instance_id = options["instance"]
+        # No database yet: one line (firstrun.require_database). An instance exists only once `apiary run` ran.
+        firstrun.require_database()
         with queue_database():
             instance = instance_of(instance_id=instance_id)
             if instance is None or instance.job is None:

@@ -6,19 +6,19 @@ on stdout, or exit 2 with every error on stderr, one per line.
 
 import sys
 
-from django.core.management.base import BaseCommand
-
+from apiary_site.management.base import ApiaryCommand
 from workflows.config import ConfigError, find_config_path, load
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "check"
     help = "Check apiary.yaml: print OK and warnings (exit 0) or every error (exit 2)."
     # A config check must work before any migration and without a database.
     requires_system_checks: list[str] = []
     requires_migrations_checks = False
 
     def add_arguments(self, parser):
-        parser.add_argument("--config", help="path to apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
 
     def handle(self, *args, **options):
         try:

@@ -13,9 +13,11 @@ of each step (a marker says when earlier text was dropped).
 
 import time
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from apiary_site import tokens
+from apiary_site.management import firstrun
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.management.inputs import positive_id, queue_database
 from jobqueue.exceptions import NotFound, QueueError
 from jobqueue.models import TERMINAL_JOB_STATES
@@ -54,7 +56,8 @@ def _latest(listing: dict) -> list[dict]:
     return [step for step in listing["steps"] if step["attempt_number"] == newest[step["job_id"]]]
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "logs"
     help = "Print a workflow instance's step logs (its latest attempt); -f follows them while the steps run."
 
     def add_arguments(self, parser):
@@ -76,6 +79,8 @@ class Command(BaseCommand):
                 raise CommandError("no worker token for --control-plane: pass --token-file PATH", returncode=2)
             self.source = RemoteLogs(url=options["control_plane"], token=token, ca_cert=options["ca_cert"])
         else:
+            # No database yet: one line (firstrun.require_database). Logs exist only once `apiary run` ran.
+            firstrun.require_database()
             self.source = LocalLogs()
         self.instance_id = options["instance"]
         try:

@@ -2,20 +2,22 @@
 
 from pathlib import Path
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import connection
 
 from apiary_site import bootstrap, sqlitefiles
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.management.commands.backup import POSTGRES
 from apiary_site.statelock import StateLock, StateLocked
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "restore"
     help = "Replace the SQLite database with the backup at PATH (checked first); refused while `apiary run` runs."
 
     def add_arguments(self, parser):
-        parser.add_argument("path")
-        parser.add_argument("--config", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
+        parser.add_argument("path", metavar="PATH", help="a backup written by `apiary backup` (checked before use)")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
 
     def handle(self, *args, **options):
         config = bootstrap.configure(options["config"])

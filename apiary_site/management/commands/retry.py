@@ -1,14 +1,17 @@
 """`apiary retry INSTANCE`: queue a failed or cancelled workflow instance's job again (services.job_retry)."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from apiary_site.management import firstrun
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.management.inputs import cli_actor, positive_id, queue_database
 from jobqueue import services
 from jobqueue.exceptions import InvalidRequest, NotFound
 from workflows.selectors import instance_of
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "retry"
     help = (
         "Retry a failed or cancelled workflow instance: its job is queued again as a new attempt "
         "(steps and publishes its journal records done are not run again)."
@@ -20,6 +23,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         instance_id = options["instance"]
+        # No database yet: one line (firstrun.require_database). An instance exists only once `apiary run` ran.
+        firstrun.require_database()
         with queue_database():
             instance = instance_of(instance_id=instance_id)
             if instance is None or instance.job is None:

@@ -4,10 +4,11 @@ import argparse
 import logging
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from apiary_site import bootstrap, monitoring, security
 from apiary_site import listener as apiary_listener
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.monitorserver import MonitorServer
 from apiary_site.statelock import StateLock, StateLocked
 from jobqueue import metrics as queue_metrics
@@ -18,11 +19,12 @@ from workflows.daemon import Daemon, embedded_runtime
 log = logging.getLogger("apiary.controlplane")
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "run"
     help = "Run the control plane: migrate, reconcile, poll sources, dispatch, reap leases, run the embedded worker."
 
     def add_arguments(self, parser):
-        parser.add_argument("--config", help="path to apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
         parser.add_argument(
             "--until-idle",
             action="store_true",

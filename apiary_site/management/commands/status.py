@@ -1,4 +1,4 @@
-"""`apiary status [--json]`: job counts, workers, running and blocked jobs.
+"""`apiary status [--json | --watch [--interval S]]`: job counts, workers, running and blocked jobs.
 
 The local variant reads `jobqueue.selectors.status_document()`; the remote
 variant (`--control-plane URL --token T`, the token also from
@@ -6,14 +6,18 @@ $APIARY_WORKER_TOKEN) fetches the same document from the worker protocol's
 `GET status` and prints it with the same `render_status`.
 """
 
+import argparse
+import datetime as dt
 import json
 import os
-from pathlib import Path
+import time
 
-from django.core.management.base import BaseCommand, CommandError
-from django.db import DatabaseError, connection
+from django.core.management.base import CommandError
 
-from apiary_site import bootstrap, tokens
+from apiary_site import tokens
+from apiary_site.management import firstrun
+from apiary_site.management.base import ApiaryCommand
+from apiary_site.management.inputs import queue_database
 from jobqueue.exceptions import QueueError
 from jobqueue.models import JobState
 from jobqueue.selectors import BLOCKED_LIMIT, status_document
@@ -108,15 +112,6 @@ def render_status(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _apply_config(explicit: str | None) -> None:
-    """Health and limit reasons depend on the config's worker_timeout and
-    limits, so put apiary.yaml in force when there is one. With none anywhere
-    (no --config, no $APIARY_CONFIG, no ./apiary.yaml) the queue defaults
-    apply; a named file that is missing or invalid is an error (exit 2)."""
-    if explicit or os.environ.get("APIARY_CONFIG") or Path("apiary.yaml").is_file():
-        bootstrap.configure(explicit)
-
-
 def _remote_status(*, url: str | None, token: str | None, ca_cert: str | None) -> dict:
     """`GET status` of a control plane over the worker protocol."""
     from workers.http import HttpTransport  # requests is only needed for the remote variant
@@ -136,16 +131,33 @@ def _remote_status(*, url: str | None, token: str | None, ca_cert: str | None) -
     except Unauthorized as exc:  # the message never holds the token
         raise CommandError(f"the control plane at {url} refused the worker token: {exc.message}", returncode=2) from exc
     except TransportError as exc:
-        raise CommandError(f"cannot reach the control plane at {url}: {exc.message}") from exc
+        # "cannot reach URL: connection refused" names the URL already; a 502/503/504 does not.
+        message = exc.message if exc.message.startswith("cannot reach") else f"the control plane at {url}: {exc.message}"
+        raise CommandError(message) from exc
     except QueueError as exc:
         raise CommandError(f"the control plane at {url} answered {exc.code}: {exc.message}") from exc
 
 
-class Command(BaseCommand):
+def _interval(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0.1 <= seconds <= 3600:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected seconds from 0.1 to 3600, got {text!r}")
+    return seconds
+
+
+class Command(ApiaryCommand):
+    words = "status"
     help = "Show job counts, workers, running jobs and blocked jobs with the reason."
 
     def add_arguments(self, parser):
         parser.add_argument("--json", action="store_true", help="print the GET status document of PROTOCOL.md")
+        parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
+        parser.add_argument(
+            "--interval", type=_interval, default=2.0, metavar="S", help="seconds between redraws with --watch (default 2)"
+        )
         parser.add_argument(
             "--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)"
         )
@@ -154,17 +166,48 @@ class Command(BaseCommand):
         parser.add_argument("--ca-cert", metavar="PATH", help="CA bundle to verify an https:// control plane")
 
     def handle(self, *args, **options):
+        if options["watch"] and options["json"]:
+            raise CommandError("--watch redraws the table; for JSON, run --json in a loop of your own", returncode=2)
         if options["control_plane"] or options["token"] or options["token_file"]:
             token = tokens.worker_token(token=options["token"], token_file=options["token_file"], warn=self.stderr.write)
-            doc = _remote_status(url=options["control_plane"], token=token, ca_cert=options["ca_cert"])
+
+            def read() -> dict:
+                return _remote_status(url=options["control_plane"], token=token, ca_cert=options["ca_cert"])
         else:
-            _apply_config(options["config"])
+            # Local: the database only. Health and limit reasons depend on the config's
+            # worker_timeout and limits, so apiary.yaml is put in force when there is one, but
+            # none of its ${VAR}s need be set: the listener's token is the listener's business.
+            # A project where `apiary run` never ran gets its (empty) database, the true answer;
+            # with no config anywhere, nothing is created (firstrun.ensure_database).
+            firstrun.ensure_database(options["config"])
+
+            def read() -> dict:
+                with queue_database():
+                    return status_document()
+
+        if not options["watch"]:
+            doc = read()
+            if options["json"]:
+                self.stdout.write(json.dumps(doc, indent=2))
+            else:
+                self.stdout.write(render_status(doc), ending="")
+            return
+        try:
+            self._watch(read, options["interval"])
+        except KeyboardInterrupt:  # Ctrl-C is how a watch ends: a clean exit, no traceback
+            self.stdout.write("")
+
+    def _watch(self, read, interval: float) -> None:
+        """Clear the screen and redraw every `interval` seconds. A read that
+        fails (the control plane restarting, a busy database) is shown in
+        place of the table, and the next round tries again."""
+        clear = "\x1b[H\x1b[2J" if self.stdout.isatty() else ""
+        while True:
             try:
-                doc = status_document()
-            except DatabaseError as exc:  # e.g. a project where `apiary run` never ran
-                where = connection.settings_dict["NAME"]
-                raise CommandError(f"cannot read the queue database {where} ({exc}); has `apiary run` run here?") from exc
-        if options["json"]:
-            self.stdout.write(json.dumps(doc, indent=2))
-        else:
-            self.stdout.write(render_status(doc), ending="")
+                body = render_status(read())
+            except CommandError as exc:
+                body = f"{exc}\n"
+            stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+            self.stdout.write(f"{clear}apiary status, every {interval:g}s (Ctrl-C to stop), {stamp}\n\n{body}", ending="")
+            self.stdout.flush()
+            time.sleep(interval)

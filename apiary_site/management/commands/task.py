@@ -1,25 +1,27 @@
 """`apiary task add --source S --title T [--body B] [--workflow W]…`: a task by hand."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from apiary_site import bootstrap
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.management.inputs import queue_database
 from jobqueue import jsonlimits
 from workflows import payload as workflow_payload
 from workflows import services
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "task"
     help = "Create a task by hand and dispatch its workflows."
 
     def add_arguments(self, parser):
-        parser.add_argument("--config")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
         sub = parser.add_subparsers(dest="action", required=True)
         add = sub.add_parser("add", help="create a task and dispatch it")
-        add.add_argument("--config", dest="config_sub")
+        add.add_argument("--config", dest="config_sub", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
         add.add_argument("--source", default="manual", help="a configured source id, or a label such as 'manual'")
-        add.add_argument("--title", required=True)
-        add.add_argument("--body", default="")
+        add.add_argument("--title", required=True, help="the task's title")
+        add.add_argument("--body", default="", help="the task's text (default: empty)")
         add.add_argument("--payload", default="{}", help="JSON object merged into the task payload")
         add.add_argument(
             "--workflow",

@@ -3,9 +3,10 @@
 import logging
 import threading
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from apiary_site import tokens
+from apiary_site.management.base import ApiaryCommand
 from jobqueue.exceptions import Forbidden
 from jobqueue.types import EMBEDDED_ID, MAX_CAPACITY, WORKER_ID_HINT, WORKER_ID_RE
 from workers import private
@@ -25,26 +26,47 @@ from workflows.services import worker_capabilities
 log = logging.getLogger("apiary.worker")
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "worker"
     help = "Run a remote worker: claim jobs from a control plane over the worker protocol and run them."
 
     def add_arguments(self, parser):
-        parser.add_argument("--control-plane", required=True, help="base URL, e.g. http://10.0.0.5:8080")
+        parser.add_argument("--control-plane", required=True, metavar="URL", help="base URL, e.g. http://10.0.0.5:8080")
         tokens.add_arguments(parser)  # --token, --token-file; default $APIARY_WORKER_TOKEN
         parser.add_argument(
             "--id",
             dest="worker_id",
             required=True,
+            metavar="ID",
             help="worker id, unique per process; its credential is kept in .apiary/workers/ID.credential",
         )
-        parser.add_argument("--pool", default=None)
-        parser.add_argument("--label", action="append", default=[], help="repeatable")
-        parser.add_argument("--capability", action="append", default=[], help="repeatable")
-        parser.add_argument("--capacity", type=int, default=1)
-        parser.add_argument("--config", help="apiary.yaml with the agents and workflows (default: ./apiary.yaml)")
-        parser.add_argument("--ca-cert", help="CA bundle to verify an https:// control plane")
-        parser.add_argument("--claim-wait", type=float, default=10.0, help="long-poll seconds per claim (0–30)")
-        parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL of a step")
+        parser.add_argument(
+            "--pool", default=None, metavar="P",
+            help="this worker's pool: jobs of agents with worker_pool P run only on workers of pool P "
+            "(jobs with no pool run on any worker)",
+        )
+        parser.add_argument(
+            "--label", action="append", default=[], metavar="L",
+            help="a label this worker has (repeatable): agents' requires_labels must all be among them",
+        )
+        parser.add_argument(
+            "--capability", action="append", default=[], metavar="C",
+            help="a capability this worker offers (repeatable), besides the runners it finds on PATH: "
+            "agents' requires_capabilities must all be among them",
+        )
+        parser.add_argument(
+            "--capacity", type=int, default=1, metavar="N", help=f"jobs run at once, 1–{MAX_CAPACITY} (default 1)"
+        )
+        parser.add_argument(
+            "--config", metavar="PATH", help="apiary.yaml with the agents and workflows (default: $APIARY_CONFIG, then ./apiary.yaml)"
+        )
+        parser.add_argument("--ca-cert", metavar="PATH", help="CA bundle to verify an https:// control plane")
+        parser.add_argument(
+            "--claim-wait", type=float, default=10.0, metavar="S", help="long-poll seconds per claim, 0–30 (default 10)"
+        )
+        parser.add_argument(
+            "--grace", type=float, default=5.0, metavar="S", help="seconds between SIGTERM and SIGKILL of a step (default 5)"
+        )
 
     def handle(self, *args, **options):
         token = tokens.worker_token(token=options["token"], token_file=options["token_file"], warn=self.stderr.write)
@@ -55,7 +77,9 @@ class Command(BaseCommand):
         if not 1 <= options["capacity"] <= MAX_CAPACITY:
             raise CommandError(f"--capacity must be 1–{MAX_CAPACITY}, got {options['capacity']}", returncode=2)
         try:
-            config = load(find_config_path(options["config"]))
+            # The worker ignores the queue settings: the listener's ${APIARY_WORKER_TOKEN} need not be
+            # set where the token comes from --token-file. Agents' and steps' variables must be.
+            config = load(find_config_path(options["config"]), unset_ok=("settings.queue",))
         except ConfigError as exc:
             raise CommandError(str(exc), returncode=2) from exc
         worker_id = options["worker_id"]
@@ -124,6 +148,6 @@ class Command(BaseCommand):
                 return
             except TransportError as exc:
                 delay = backoff.failed(exc.retry_after)
-                log.warning("control plane not reachable (%s); retrying in %.2fs", exc, delay)
+                log.warning("worker %s: registration failed (%s); retrying in %.2fs", runtime.spec.worker_id, exc, delay)
                 if signals.received.wait(delay):
                     raise SystemExit(0) from exc

@@ -7,8 +7,10 @@
     list                   every credential: worker, hint, issued by, created, last used, revoked
 """
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from apiary_site.management import firstrun
+from apiary_site.management.base import ApiaryCommand
 from apiary_site.management.inputs import cli_actor, queue_database
 from jobqueue import services
 from jobqueue.exceptions import NotFound, ReservedWorkerId
@@ -22,21 +24,25 @@ def _worker_id(text: str) -> str:
     return text
 
 
-class Command(BaseCommand):
+class Command(ApiaryCommand):
+    words = "worker token"
     help = "Issue, revoke and list per-worker credentials (README: Security)."
 
     def add_arguments(self, parser):
-        parser.add_argument("action", choices=("create", "revoke", "list"))
+        parser.add_argument("action", choices=("create", "revoke", "list"), help="create ID, revoke ID [--previous], list")
         parser.add_argument("worker_id", nargs="?", help="the worker id (create, revoke)")
         parser.add_argument(
             "--previous", action="store_true", help="revoke: keep the newest credential (end a rotation's overlap)"
         )
-        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (read by the apiary entry point)")
+        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (default: $APIARY_CONFIG, then ./apiary.yaml)")
 
     def handle(self, *args, **options):
         action, worker_id = options["action"], options["worker_id"]
         if (action == "list") != (worker_id is None):
-            raise CommandError("usage: worker token create ID | revoke ID [--previous] | list", returncode=2)
+            raise CommandError("usage: apiary worker token create ID | revoke ID [--previous] | list", returncode=2)
+        # Works before the first `apiary run` (firstrun.ensure_database): issuing the fleet's
+        # credentials is part of setting up, before any control plane has started.
+        firstrun.ensure_database(options["config"])
         with queue_database():
             if action == "create":
                 self._create(_worker_id(worker_id))
