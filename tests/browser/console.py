@@ -7,12 +7,15 @@ apiary.yaml) with a superuser, plus `seed()`: one remote `apiary worker`
 
     failed     "failing report"   alpha-fail    its step printed a line and exited 3
     running    "long build"       alpha-chatty  leased by worker alpha-1, printing, held at its gate
-    queued     "queued one/two"   alpha-quick   ordinary backlog behind the busy worker
+    queued     "queued one/two"   alpha-quick   backlog behind the busy worker (status: "… at capacity")
     blocked    "needs beta"       beta-quick    no worker in pool beta
     blocked    "to be cancelled"  beta-quick    the same, kept for a test to cancel
 
-Nothing here changes the queue except through `apiary` commands and the
-worker, and nothing is left running: the gate of "long build" is never
+Tasks arrive as files of directory sources (no process per task); nothing
+else changes the queue but `apiary` commands and the worker. Tests that
+change the seed (a cancel, a retry) change jobs kept for them, or read the
+counts they compare against from `console.status()` in the same test.
+Nothing is left running: the gate of "long build" is never
 opened, the worker is killed with its step's process group at the end.
 """
 
@@ -64,6 +67,7 @@ class Seeded:
     queued: tuple[int, ...]
     blocked: int
     to_cancel: int
+    instances: dict[int, int]  # job id -> workflow instance id (what `apiary cancel/retry/logs` take)
     worker_id: str = WORKER_ID
 
     def all(self) -> tuple[int, ...]:
@@ -118,13 +122,15 @@ class Console(ControlPlane):
         for source, title in (("backlog", "queued one"), ("backlog", "queued two"), ("beta-inbox", "needs beta"),
                               ("beta-inbox", "to be cancelled")):
             self.add(source, title)
-        return Seeded(
-            failed=failed,
-            running=running,
-            queued=(self.job_id("queued one", "alpha-quick", "queued"), self.job_id("queued two", "alpha-quick", "queued")),
-            blocked=self.job_id("needs beta", "beta-quick", "queued"),
-            to_cancel=self.job_id("to be cancelled", "beta-quick", "queued"),
-        )
+        queued = tuple(self.job_id(title, "alpha-quick", "queued") for title in ("queued one", "queued two"))
+        blocked = self.job_id("needs beta", "beta-quick", "queued")
+        to_cancel = self.job_id("to be cancelled", "beta-quick", "queued")
+        ids = (failed, running, *queued, blocked, to_cancel)
+        return Seeded(failed=failed, running=running, queued=queued, blocked=blocked, to_cancel=to_cancel,
+                      instances={job_id: self.instance_id(job_id) for job_id in ids})
+
+    def instance_id(self, job_id: int) -> int:
+        return self.value("SELECT id FROM workflows_workflowinstance WHERE job_id = ?", job_id)
 
     def add(self, source: str, title: str) -> None:
         """A task of one of SOURCES, as a file named after its title."""
