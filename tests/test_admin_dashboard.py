@@ -129,3 +129,14 @@ def test_the_dashboard_reads_in_a_fixed_number_of_queries(admin_client, clock, d
     admin_client.get("/admin/")  # warm: session, user
     with django_assert_max_num_queries(30):
         admin_client.get("/admin/")
+
+
+def test_a_remote_workers_running_step_comes_from_the_log_stream_its_attempt_has_open(admin_client, clock):
+    """A remote worker's step history stays on its host; the step it streams output for is shown."""
+    worker = register("remote-1")
+    job = enqueue(make_task(title="Remote build"))
+    [c] = claim(worker)
+    services.log_append(attempt_id=c.attempt_id, token=c.token, stream="compile", offset=0, text="ok\n", final=True)
+    services.log_append(attempt_id=c.attempt_id, token=c.token, stream="test", offset=0, text="running\n")
+    running = section(admin_client.get("/admin/").content.decode(), "apiary-running")
+    assert f">{job.pk}</a> #1" in running and "<td>test</td>" in running

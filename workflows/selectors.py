@@ -3,7 +3,7 @@ state are read from their jobs, never from a copy."""
 
 from django.db.models import Case, CharField, Exists, F, OuterRef, QuerySet, Subquery, Value, When
 
-from jobqueue.models import TERMINAL_JOB_STATES, Job, JobState
+from jobqueue.models import TERMINAL_JOB_STATES, Job, JobState, LogStream
 
 from .models import StepRun, Task, TaskState, WorkflowInstance
 
@@ -21,14 +21,26 @@ def instance_state(job: Job | None) -> str:
 
 
 def current_steps(instance_ids) -> dict[int, str]:
-    """{instance id: the step it runs now}, from the step history the embedded worker writes
-    (one query). A remote worker's steps arrive with its finish, so its instances are absent."""
+    """{instance id: the step it runs now}: from the step history the embedded worker writes,
+    else (a remote worker, whose history stays on its host) from the log stream its current
+    attempt has open (every worker streams each running step). At most three queries."""
+    ids = list(instance_ids)
     rows = (
-        StepRun.objects.filter(instance_id__in=list(instance_ids), status=RUNNING, ended_at__isnull=True)
+        StepRun.objects.filter(instance_id__in=ids, status=RUNNING, ended_at__isnull=True)
         .order_by("instance_id", "attempt_number", "started_at", "id")
         .values_list("instance_id", "step_id")
     )
-    return dict(rows)  # the newest running step of each instance wins
+    steps = dict(rows)  # the newest running step of each instance wins
+    rest = [i for i in ids if i not in steps]
+    if rest:
+        instance_of_job = dict(WorkflowInstance.objects.filter(pk__in=rest, job__isnull=False).values_list("job_id", "pk"))
+        streams = (
+            LogStream.objects.filter(job_id__in=list(instance_of_job), ended=False, attempt_id=F("job__current_attempt_id"))
+            .order_by("id")
+            .values_list("job_id", "name")
+        )
+        steps.update({instance_of_job[job_id]: name for job_id, name in streams})  # the newest open stream wins
+    return steps
 
 
 def summary_steps(job: Job | None) -> list[dict]:
