@@ -131,18 +131,12 @@ class WorkflowInstanceAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     list_select_related = ("task", "job", "parent__task")
     inlines = (StepRunInline, ChildInstanceInline)
     actions = ("cancel_instances", "retry_instances")
-    readonly_fields = ("state", "job_link", "reported_steps", "hooks", "log_tail")
+    readonly_fields = ("state", "reported_steps", "hooks", "log_tail")
     operations = {"cancel": "Cancel", "retry": "Retry"}
 
     @admin.display(description="title", ordering="task__title")
     def title(self, obj: WorkflowInstance) -> str:
         return obj.task.title
-
-    @admin.display(description="job")
-    def job_link(self, obj: WorkflowInstance):
-        if obj.job is None:
-            return "—"
-        return format_html('<a href="{}">job {}</a>', reverse("admin:queue_job_change", args=[obj.job.pk]), obj.job.pk)
 
     @admin.display(description="steps its last finished attempt reported")
     def reported_steps(self, obj: WorkflowInstance):
