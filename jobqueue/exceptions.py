@@ -75,6 +75,12 @@ class ReservedWorkerId(Forbidden):
     code = "reserved_worker_id"
 
 
+class OperatorTokenRequired(Forbidden):
+    """A worker's own credential asked for what only the shared token reads (other jobs' step logs)."""
+
+    code = "operator_token_required"
+
+
 class RateLimited(QueueError):
     """Too many calls of one kind from one worker; `retry_after` seconds until the next is accepted."""
 

@@ -38,8 +38,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import conf
 from .clock import get_clock
-from .models import Attempt, AttemptState, Job, JobState, Worker
-from .selectors.workers import HEALTHY, STALE, active_jobs, worker_health
+from .models import Attempt, AttemptState, Job, JobState
+from .selectors.workers import HEALTHS, active_jobs, worker_health, workers_all
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's own name for the directory
 
@@ -74,8 +74,12 @@ class QueueCollector:
         now = get_clock().now()
         jobs = GaugeMetricFamily(JOBS, "Jobs by state, project and pool.", labels=["state", "project", "pool"])
         rows = Job.objects.values("state", "project", "pool").annotate(n=Count("id")).order_by("state", "project", "pool")
+        counts = {(row["project"], row["pool"] or ""): {} for row in rows}
         for row in rows:
-            jobs.add_metric([row["state"], row["project"], row["pool"] or ""], row["n"])
+            counts[(row["project"], row["pool"] or "")][row["state"]] = row["n"]
+        for (project, pool), by_state in counts.items():
+            for state in JobState.values:  # 0 rather than absent: a rule comparing with an hour ago needs both
+                jobs.add_metric([state, project, pool], by_state.get(state, 0))
         yield jobs
 
         oldest = Job.objects.filter(state=JobState.QUEUED, available_at__lte=now).aggregate(at=Min("available_at"))["at"]
@@ -85,10 +89,10 @@ class QueueCollector:
             value=max(0.0, (now - oldest).total_seconds()) if oldest else 0.0,
         )
 
-        workers = list(Worker.objects.all())
+        workers = workers_all()  # a forgotten worker is no longer the operator's concern
         timeout = conf.current().worker_timeout
         health = GaugeMetricFamily(WORKERS, "Registered workers by health.", labels=["health"])
-        by_health = {HEALTHY: 0, STALE: 0}
+        by_health = dict.fromkeys(HEALTHS, 0)
         for worker in workers:
             by_health[worker_health(worker, now=now, timeout=timeout)] += 1
         for name, n in by_health.items():

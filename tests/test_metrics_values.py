@@ -100,3 +100,23 @@ def test_every_name_listed_as_exported_is_in_a_scrape(clock):
     enqueue()
     names = {name for name, _ in scrape()}
     assert set(metrics.EXPORTED) <= names
+
+
+def test_every_state_reads_zero_rather_than_absent_and_exited_and_forgotten_workers_count_right(clock, queue_config):
+    """A queue growing from empty needs `queued 0` an hour ago for the alert's comparison; a worker
+    that drained and said goodbye is `exited` (no 500); a forgotten one is no longer counted."""
+    queue_config(worker_timeout=60)
+    enqueue(project="demo")
+    leaving = register("leaving")
+    services.worker_drain(worker_id="leaving")
+    services.worker_heartbeat(worker_id="leaving", session=leaving.session, draining=True, ready=False)
+    register("gone")
+    clock.advance(61)
+    services.worker_forget(worker_id="gone")
+
+    samples = scrape()
+    assert value(samples, "apiary_jobs", state="queued", project="demo", pool="") == 1
+    assert value(samples, "apiary_jobs", state="failed", project="demo", pool="") == 0
+    assert value(samples, "apiary_workers", health="exited") == 1
+    assert value(samples, "apiary_workers", health="stale") == 0
+    assert ("apiary_worker_active_jobs", (("worker", "gone"),)) not in samples

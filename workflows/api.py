@@ -11,6 +11,7 @@ from rest_framework.response import Response
 
 from jobqueue.api.schema import AUTHENTICATE_HEADER, PROTOCOL_HEADER, responses
 from jobqueue.api.views import ProtocolView
+from jobqueue.exceptions import OperatorTokenRequired
 from jobqueue.models import AttemptState, JobState
 from jobqueue.types import LOG_STREAM_PATTERN, OUTCOMES
 
@@ -64,14 +65,27 @@ def _schema(operation_id: str, ok, description: str, parameters: list):
     return extend_schema(
         operation_id=operation_id,
         request=None,
-        responses=responses(ok, description, body=False, not_found=UNKNOWN),
+        responses=responses(
+            ok, description, body=False, not_found=UNKNOWN,
+            forbidden="a worker's own credential (`operator_token_required`): step logs are read with the shared token",
+        ),  # fmt: skip
         parameters=[*parameters, PROTOCOL_HEADER, AUTHENTICATE_HEADER],
     )
+
+
+def _operator_only(request) -> None:
+    """Step logs hold what steps print; a step can read its worker's credential file, so only the
+    shared token (an operator's, or a worker's before it enrolled) reads them, never a credential."""
+    if request.user.worker_id is not None:
+        raise OperatorTokenRequired(
+            f"step logs are read with the shared worker token, not worker {request.user.worker_id!r}'s own credential"
+        )
 
 
 class InstanceLogsView(ProtocolView):
     @_schema("instances_logs_list", InstanceLogsResponse, "every step log of the instance and its hook jobs", [INSTANCE_ID])
     def get(self, request, instance_id: str):
+        _operator_only(request)
         return Response(InstanceLogsResponse(logs.instance_logs(instance_id=int(instance_id))).data)
 
 
@@ -81,6 +95,7 @@ class InstanceLogTextView(ProtocolView):
         [INSTANCE_ID, ATTEMPT_NUMBER, STEP, OFFSET],
     )  # fmt: skip
     def get(self, request, instance_id: str, attempt_number: str, step: str, offset: str):
+        _operator_only(request)
         document = logs.instance_log_text(
             instance_id=int(instance_id), attempt_number=int(attempt_number), step=step, offset=int(offset)
         )

@@ -2,8 +2,8 @@
 "GET instances/{instance_id}/logs…"): a running attempt streams its steps'
 output in bounded chunks, fenced by its token like its journal; a resent
 chunk is stored once; a stream keeps its last MiB with a count of what was
-dropped; operators read it back with any worker credential or the shared
-token, like status. Under WSGI and ASGI alike (the `api` fixture)."""
+dropped; operators read it back with the shared token, never with a worker's
+own credential (a step can read that file). Under WSGI and ASGI alike (the `api` fixture)."""
 
 import pytest
 
@@ -280,13 +280,17 @@ def test_an_attempt_keeps_at_most_so_many_streams(api, clock):
 # --------------------------------------------------------------------------- reading
 
 
-def test_reading_takes_the_shared_token_or_any_credential_like_status(api, clock):
+def test_reading_takes_the_shared_token_and_never_a_workers_own_credential(api, clock):
     job, _, c = held()
     sent(api, c, "visible\n")
     register("w2")
-    for token in (CANARY, credential_for("w2")):
-        assert read(api, job, token=token)["text"] == "visible\n"
-        assert api.get(f"instances/{instance_id(job)}/logs", token=token).status_code == 200
+    assert read(api, job, token=CANARY)["text"] == "visible\n"
+    assert api.get(f"instances/{instance_id(job)}/logs", token=CANARY).status_code == 200
+    for token in (credential_for("w2"), credential_for("w1")):  # another worker's, and the writer's own
+        for path in (f"instances/{instance_id(job)}/logs", f"instances/{instance_id(job)}/logs/1/plan/0"):
+            response = api.get(path, token=token)
+            assert response.status_code == 403 and error(response)["code"] == "operator_token_required"
+            assert "visible" not in response.content.decode()
 
 
 def test_reading_without_a_token_is_unauthorized(api, clock):
