@@ -114,6 +114,9 @@ LOG_STREAM_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,254}"  # a step's history id
 MAX_LOG_CHUNK_BYTES = 64 * 1024  # of one chunk's text as UTF-8
 MAX_LOG_STREAM_BYTES = 1024 * 1024  # kept per stream: the last MiB (older text is dropped, and counted)
 MAX_LOG_STREAMS_PER_ATTEMPT = 128  # what one attempt's token can make the control plane keep
+MAX_LOG_BYTES_PER_ATTEMPT = 16 * 1024 * 1024  # kept over all of an attempt's streams
+LOG_ATTEMPTS_KEPT = 2  # a job keeps the logs of its last two attempts (the one before shows why it was retried)
+LOG_RETENTION = 7 * 24 * 3600.0  # seconds: a finished job's logs are pruned this long after it ended
 MAX_LOG_OFFSET = 2**62  # a stream's position, in bytes of UTF-8 text
 
 

@@ -24,6 +24,7 @@ from jobqueue import services as queue
 from jobqueue.clock import Clock, get_clock
 from jobqueue.models import Job, JobState
 from jobqueue.selectors import BLOCKED_LIMIT, blocked_reasons
+from jobqueue.types import LOG_RETENTION
 
 from . import reaperbeat, services, sources, spawning
 from .config import Config
@@ -72,6 +73,7 @@ class ControlPlane:
             self.next_reap = now + self.reap_interval
         if now >= self.next_forget:
             self.forget()
+            self.prune_logs()
             self.next_forget = now + FORGET_INTERVAL
 
     def collect(self) -> int:
@@ -185,6 +187,13 @@ class ControlPlane:
         if forgotten:
             log.info("forgot %d worker(s) silent for settings.queue.forget_workers_after that never ran a job", forgotten)
         return forgotten
+
+    def prune_logs(self) -> int:
+        """Drop the step logs of jobs that finished more than LOG_RETENTION ago (a batch a call)."""
+        pruned = queue.logs_prune(older_than=LOG_RETENTION, clock=self.clock)
+        if pruned:
+            log.info("pruned the step logs of %d stream(s) of jobs finished more than %gs ago", pruned, LOG_RETENTION)
+        return pruned
 
     def stuck(self) -> list[dict]:
         """Queued jobs that can never run as things stand: nothing is leased and

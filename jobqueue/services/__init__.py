@@ -16,7 +16,7 @@ transaction. Job and attempt states move only through
                   credential_used, credentials_revoke
     affinity.py   affinity_release (and the pin a claim takes)
     records.py    job_record, job_records, attempt_heartbeat_with_checkpoint (a job's journal), record_of_job, records_of_job
-    logs.py       log_append (a running step's output, streamed by its attempt)
+    logs.py       log_append (a running step's output, streamed by its attempt), logs_prune
 """
 
 from .affinity import affinity_release
@@ -25,7 +25,7 @@ from .claiming import claim_round, jobs_claim, requirement_cache
 from .common import hash_token
 from .credentials import credential_issue, credential_used, credentials_revoke, worker_enroll, worker_reregister
 from .jobs import job_cancel, job_enqueue, job_enqueue_in, job_retry
-from .logs import log_append
+from .logs import log_append, logs_prune
 from .records import attempt_heartbeat_with_checkpoint, job_record, job_records, record_of_job, records_of_job
 from .workers import worker_drain, worker_forget, worker_heartbeat, worker_register, worker_undrain, workers_forget
 
@@ -49,6 +49,7 @@ __all__ = [
     "jobs_claim",
     "leases_expire",
     "log_append",
+    "logs_prune",
     "reconcile",
     "record_of_job",
     "records_of_job",

@@ -20,21 +20,27 @@ the streams (Apiary's workflows: a step's history id) and reads them back
 * `final` ends the stream: nothing more is appended (a resent last chunk
   still answers as before).
 
+* an attempt keeps at most MAX_LOG_BYTES_PER_ATTEMPT over all its streams
+  (a chunk past that is refused), a job the logs of its last
+  LOG_ATTEMPTS_KEPT attempts, and `logs_prune` removes a finished job's logs
+  LOG_RETENTION after it ended (the control plane's loop calls it).
 Chunks that arrive while the stream's last row is small extend that row, so a
-stream holds a few dozen rows however often its sender sends.
+stream holds a bounded number of rows however often its sender sends.
 """
 
 import datetime as dt
 import re
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Min
+from django.db.models import F, Min, Sum
 
 from ..clock import Clock
 from ..exceptions import InvalidRequest, Unavailable
 from ..models import LogChunk, LogStream
 from ..types import (
+    LOG_ATTEMPTS_KEPT,
     LOG_STREAM_PATTERN,
+    MAX_LOG_BYTES_PER_ATTEMPT,
     MAX_LOG_CHUNK_BYTES,
     MAX_LOG_OFFSET,
     MAX_LOG_STREAM_BYTES,
@@ -45,6 +51,7 @@ from . import attempts
 from .common import now_of, service
 
 _STREAM_RE = re.compile(LOG_STREAM_PATTERN + r"\Z")
+MERGE_BELOW = 8 * 1024  # bytes: a chunk row is extended by later sends until it holds this much
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
@@ -79,6 +86,11 @@ def _stream_of(fenced, attempt_id: int, name: str, now: dt.datetime) -> LogStrea
         return row
     if LogStream.objects.filter(attempt_id=attempt_id).count() >= MAX_LOG_STREAMS_PER_ATTEMPT:
         raise InvalidRequest(f"an attempt keeps at most {MAX_LOG_STREAMS_PER_ATTEMPT} log streams", field="stream")
+    if not LogStream.objects.filter(attempt_id=attempt_id).exists():
+        # An attempt's first stream: the job keeps the logs of its last LOG_ATTEMPTS_KEPT attempts only.
+        LogStream.objects.filter(
+            job_id=fenced.job_id, attempt__number__lte=fenced.number - LOG_ATTEMPTS_KEPT
+        ).delete()
     try:
         with transaction.atomic():
             return LogStream.objects.create(
@@ -96,7 +108,11 @@ def _append(row: LogStream, offset: int, data: bytes) -> tuple[int, int]:
         dropped = offset
     last = LogChunk.objects.filter(stream=row).order_by("-offset").first()
     text = data.decode("utf-8")
-    if last is not None and last.offset + last.size == offset and last.size + len(data) <= MAX_LOG_CHUNK_BYTES:
+    # Extend the last row only while it is small: each extension rewrites it whole.
+    if (
+        last is not None and last.offset + last.size == offset and last.size < MERGE_BELOW
+        and last.size + len(data) <= MAX_LOG_CHUNK_BYTES
+    ):  # fmt: skip
         LogChunk.objects.filter(pk=last.pk).update(text=last.text + text, size=last.size + len(data))
     else:
         LogChunk.objects.create(stream=row, offset=offset, size=len(data), text=text)
@@ -145,6 +161,12 @@ def log_append(
                 f"offset {offset} overlaps the stream's end ({row.received}) inside a character", field="offset"
             ) from None
         data, offset = data[row.received - offset :], row.received
+    kept = LogStream.objects.filter(attempt_id=attempt_id).aggregate(n=Sum(F("received") - F("dropped")))["n"] or 0
+    if kept + len(data) > MAX_LOG_BYTES_PER_ATTEMPT:
+        raise InvalidRequest(
+            f"attempt {attempt_id} keeps at most {MAX_LOG_BYTES_PER_ATTEMPT} bytes of logs over all its streams",
+            field="text",
+        )
     received, dropped = _append(row, offset, data)
     _move(row, received=received, dropped=dropped, ended=final, now=now)
     row.received, row.dropped, row.ended = received, dropped, final
@@ -161,3 +183,16 @@ def _move(row: LogStream, *, received: int, dropped: int, ended: bool, now: dt.d
 
 
 __all__ = ["LogState", "log_append"]
+
+
+@service
+def logs_prune(*, older_than: float, clock: Clock | None = None, batch: int = 500) -> int:
+    """Delete the log streams of jobs that finished more than `older_than` seconds ago, at
+    most `batch` streams a call (their chunks go with them); how many were deleted."""
+    before = now_of(clock) - dt.timedelta(seconds=older_than)
+    ids = list(
+        LogStream.objects.filter(job__finished_at__lt=before).order_by("id").values_list("id", flat=True)[:batch]
+    )
+    if ids:
+        LogStream.objects.filter(id__in=ids).delete()
+    return len(ids)

@@ -48,7 +48,10 @@ def test_more_than_is_kept_is_skipped_to_the_tail_one_chunk_at_a_time(tmp_path):
     path = tmp_path / "step.log"
     path.write_bytes(b"")
     sender.step_started("plan", path)
-    path.write_bytes(b"a" * (3 * MAX_LOG_STREAM_BYTES) + b"the end\n")
+    # All at once (a rename), so the sender never sees part of it: the step printed 3 MiB between two reads.
+    whole = tmp_path / "step.log.new"
+    whole.write_bytes(b"a" * (3 * MAX_LOG_STREAM_BYTES) + b"the end\n")
+    whole.replace(path)
     sender.step_ended("plan")
     assert sender.close(timeout=WAIT) is True
     assert all(len(c["text"].encode()) <= min(READ_BYTES, MAX_LOG_CHUNK_BYTES) for c in transport.chunks)
