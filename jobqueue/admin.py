@@ -93,6 +93,9 @@ class OperateMixin:
         obj = self.get_object(request, unquote(object_id))
         if obj is None or operation not in self.operations:
             raise Http404(f"no {self.opts.verbose_name} {object_id} or no operation {operation!r}")
+        if operation not in self.available(obj):  # a stale page's button: say so, change nothing
+            self.message_user(request, f"{self.operations[operation]} does not apply to {obj} now", messages.WARNING)
+            return redirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[obj.pk]))
         try:
             message = self.perform(request, obj, operation)
         except QueueError as exc:

@@ -68,3 +68,12 @@ def test_the_listener_gets_the_admin_address_on_its_command_line(monkeypatch):
     listener.start(None, config_path="/x/apiary.yaml", admin_bind="127.0.0.1:8000")
     argv = seen["argv"]
     assert "--bind" not in argv and argv[argv.index("--admin-bind") + 1] == "127.0.0.1:8000"
+
+
+def test_with_the_queues_tls_proxy_it_is_a_warning_that_it_redirects(tmp_path):
+    settings = (
+        "  admin:\n    listen: 127.0.0.1:8000\n  queue:\n    listen: 127.0.0.1:8080\n"
+        f"    worker_token: {TOKEN}\n    tls:\n      proxy_header: X-Forwarded-Proto"
+    )
+    config = cfg.load(project(tmp_path, settings), environ={})
+    assert any("settings.admin.listen" in w and "redirected to https" in w for w in config.warnings)

@@ -168,7 +168,7 @@ class WorkflowInstanceAdmin(ReadOnlyMixin, OperateMixin, admin.ModelAdmin):
     def hooks(self, obj: WorkflowInstance):
         """The instance's hook jobs (enqueued as it ended) and how each ended: a hook's failure is
         shown here and never changes the instance's own state."""
-        jobs = Job.objects.filter(payload__instance_id=obj.pk, payload__has_key="hook").order_by("pk")
+        jobs = selectors.hook_jobs_of(obj)
         if not jobs:
             return "—"
         return format_html_join(

@@ -14,6 +14,7 @@ from jobqueue.exceptions import NotFound
 from jobqueue.models import Attempt, AttemptState, Job
 from jobqueue.types import MAX_LOG_STREAM_BYTES
 
+from . import selectors as selectors_of_workflows
 from .models import WorkflowInstance
 
 HOOK_PREFIX = "hook:"
@@ -22,7 +23,7 @@ HOOK_PREFIX = "hook:"
 def _jobs_of(instance: WorkflowInstance) -> list[tuple[Job, str | None]]:
     """(job, hook outcome or None): the instance's own job, then its hook jobs."""
     jobs = [(instance.job, None)] if instance.job_id else []
-    hooks = Job.objects.filter(payload__instance_id=instance.pk, payload__has_key="hook").order_by("pk")
+    hooks = selectors_of_workflows.hook_jobs_of(instance)
     return jobs + [(job, (job.payload.get("hook") or {}).get("outcome")) for job in hooks]
 
 

@@ -4,8 +4,10 @@ state are read from their jobs, never from a copy."""
 from django.db.models import Case, CharField, Exists, F, OuterRef, QuerySet, Subquery, Value, When
 
 from jobqueue.models import TERMINAL_JOB_STATES, Job, JobState, LogStream
+from jobqueue.types import OUTCOMES
 
 from .models import StepRun, Task, TaskState, WorkflowInstance
+from .services import hook_key
 
 RUNNING = "running"
 
@@ -86,3 +88,12 @@ def task_states(tasks: QuerySet[Task] | None = None) -> dict[int, str]:
 
 def task_state(task: Task) -> str:
     return task_states(Task.objects.filter(pk=task.pk))[task.pk]
+
+
+def hook_jobs_of(instance: WorkflowInstance) -> list[Job]:
+    """The instance's hook jobs, oldest first: found by their keys (services.hook_key), which
+    the job table's unique index answers, not by reading every job's payload."""
+    if instance.job is None:
+        return []
+    keys = [hook_key(instance.job.key, outcome) for outcome in OUTCOMES]
+    return list(Job.objects.filter(key__in=keys).order_by("pk"))

@@ -157,8 +157,8 @@ RETRYABLE = frozenset({JobState.FAILED, JobState.CANCELLED})
 @service
 def job_retry(*, job_id: int, actor: str | None = None, clock: Clock | None = None) -> Job:
     """An operator's retry: a failed or cancelled job is queued again as itself — the same
-    key (no second job for the enqueuer's dedup), the same journal (done steps, done
-    publishes and spawns are never done again; records.py) — and its next claim is a new
+    key (no second job for the enqueuer's dedup), the same journal (what it records done is
+    final, records.py: the workflow layer never repeats a done publish or spawn) — and its next claim is a new
     attempt, numbered after the last. Its budgets start afresh: max_attempts and the retry
     policy count only attempts after this one (`retried_through`). What its last end left is
     cleared (finished_at, reason, a cancel request); its summary (the last finished attempt's

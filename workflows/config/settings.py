@@ -55,7 +55,7 @@ def _settings(
     )
     metrics = _metrics(check, section.get("metrics"), queue=queue)
     log_format = _default(check.choice(section.get("log_format"), "settings.log_format", LOG_FORMATS), "plain")
-    admin = _admin(check, section.get("admin"), queue_listen=queue.listen)
+    admin = _admin(check, section.get("admin"), queue_listen=queue.listen, tls=queue.tls is not None)
     return Settings(
         concurrency=concurrency, worker_capacity=capacity, queue=queue, metrics=metrics, log_format=log_format, admin=admin
     )
@@ -85,7 +85,7 @@ def _metrics(check: _Checker, raw: Any, *, queue: QueueSettings) -> MetricsSetti
     return MetricsSettings(listen=listen, token=token)
 
 
-def _admin(check: _Checker, raw: Any, *, queue_listen: str | None) -> AdminSettings:
+def _admin(check: _Checker, raw: Any, *, queue_listen: str | None, tls: bool = False) -> AdminSettings:
     p = "settings.admin"
     section = check.mapping(raw, p, ADMIN_KEYS) or {}
     listen = check.string(section.get("listen"), f"{p}.listen", empty_is_absent=True)
@@ -106,6 +106,12 @@ def _admin(check: _Checker, raw: Any, *, queue_listen: str | None) -> AdminSetti
             f"{p}.listen",
             f"{listen} is not loopback: the admin's login travels in plain HTTP unless a TLS proxy is in front "
             "(settings.queue.tls)",
+        )
+    elif tls:
+        check.warn(
+            f"{p}.listen",
+            "with settings.queue.tls every plain-HTTP request is redirected to https, this address's too: "
+            "reach the admin through the TLS proxy in front of settings.queue.listen",
         )
     return AdminSettings(listen=listen)
 

@@ -93,8 +93,10 @@ class Command(ApiaryCommand):
             raise CommandError(exc.message) from None
         except QueueError as exc:  # a remote control plane that refused or could not answer
             where = f"the control plane at {options['control_plane']}"
-            raise CommandError(f"{where} answered {exc.code}: {exc.message}" if exc.code != "transport_error"
-                               else f"cannot reach {where}: {exc.message}") from None  # fmt: skip
+            if exc.code != "transport_error":
+                raise CommandError(f"{where} answered {exc.code}: {exc.message}") from None
+            # The transport's message names the URL already ("cannot reach URL: connection refused").
+            raise CommandError(exc.message if exc.message.startswith("cannot reach") else f"cannot reach {where}: {exc.message}") from None
         except KeyboardInterrupt:
             pass
 

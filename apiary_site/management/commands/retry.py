@@ -14,7 +14,7 @@ class Command(ApiaryCommand):
     words = "retry"
     help = (
         "Retry a failed or cancelled workflow instance: its job is queued again as a new attempt "
-        "(steps and publishes its journal records done are not run again)."
+        "(a publish or spawn its journal records done is not run again)."
     )
 
     def add_arguments(self, parser):
