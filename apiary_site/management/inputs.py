@@ -17,6 +17,7 @@ from django.core.management.base import CommandError
 from django.db import DatabaseError, connection
 
 from jobqueue.exceptions import Unavailable
+from workflows.selectors import instance_of
 
 MAX_ID = 2**63 - 1  # a 64-bit primary key, on SQLite and PostgreSQL alike
 
@@ -45,3 +46,17 @@ def cli_actor() -> str:
         import os
 
         return f"cli:uid {os.getuid()}"
+
+
+def instance_arguments(parser) -> None:
+    """The arguments of a command that acts on one workflow instance (cancel, retry)."""
+    parser.add_argument("instance", type=positive_id, help="workflow instance id")
+    parser.add_argument("--config", metavar="PATH", help="apiary.yaml (read by the apiary entry point)")
+
+
+def instance_with_job(instance_id: int):
+    """The workflow instance, its job loaded; CommandError when there is none (inside queue_database())."""
+    instance = instance_of(instance_id=instance_id)
+    if instance is None or instance.job is None:
+        raise CommandError(f"no workflow instance {instance_id}")
+    return instance

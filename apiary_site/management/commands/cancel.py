@@ -4,11 +4,10 @@ from django.core.management.base import CommandError
 
 from apiary_site.management import firstrun
 from apiary_site.management.base import ApiaryCommand
-from apiary_site.management.inputs import cli_actor, positive_id, queue_database
+from apiary_site.management.inputs import cli_actor, instance_arguments, instance_with_job, queue_database
 from jobqueue import services
 from jobqueue.exceptions import NotFound
 from jobqueue.models import TERMINAL_JOB_STATES, JobState
-from workflows.selectors import instance_of
 
 
 class Command(ApiaryCommand):
@@ -16,17 +15,14 @@ class Command(ApiaryCommand):
     help = "Cancel a workflow instance: at once when queued, at the worker's next heartbeat when running."
 
     def add_arguments(self, parser):
-        parser.add_argument("instance", type=positive_id, help="workflow instance id")
-        parser.add_argument("--config", metavar="PATH", help="apiary.yaml (read by the apiary entry point)")
+        instance_arguments(parser)
 
     def handle(self, *args, **options):
         instance_id = options["instance"]
         # No database yet: one line (firstrun.require_database). An instance exists only once `apiary run` ran.
         firstrun.require_database()
         with queue_database():
-            instance = instance_of(instance_id=instance_id)
-            if instance is None or instance.job is None:
-                raise CommandError(f"no workflow instance {instance_id}")
+            instance = instance_with_job(instance_id)
             before = instance.job
             try:
                 job = services.job_cancel(job_id=before.pk, actor=cli_actor())
