@@ -67,3 +67,37 @@ def test_admin_listen_serves_the_admin_and_answers_404_for_the_worker_protocol(t
             daemon.send(signal.SIGTERM)
             daemon.wait(timeout=30)
         daemon.stop()
+
+
+def test_beside_the_queue_listener_only_the_protocols_port_answers_the_protocol(tmp_path):
+    """Both listens in one listener: the admin's port 404s the protocol, the protocol's port serves it."""
+    admin_port, queue_port = free_port(), free_port()
+    token = "t" * 40
+    config = tmp_path / "apiary.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        project: local
+        settings:
+          admin:
+            listen: 127.0.0.1:{admin_port}
+          queue:
+            listen: 127.0.0.1:{queue_port}
+            worker_token: {token}
+        agents:
+          - id: sh
+            runner: shell
+            command: cat
+        """))
+    daemon = Daemon(config)
+    try:
+        admin, protocol = f"http://127.0.0.1:{admin_port}", f"http://127.0.0.1:{queue_port}"
+        wait_for(lambda: answering(f"{admin}/admin/login/"), timeout=STARTUP, what="the admin", daemon=daemon)
+        wait_for(lambda: answering(f"{protocol}/admin/login/"), timeout=STARTUP, what="the listener", daemon=daemon)
+        assert get(f"{admin}/api/worker/v1/status")[0] == 404
+        request = urllib.request.Request(f"{protocol}/api/worker/v1/status", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - a local test server
+            assert response.status == 200
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.send(signal.SIGTERM)
+            daemon.wait(timeout=30)
+        daemon.stop()
