@@ -9,7 +9,7 @@ from django.db import connection
 
 from ..clock import Clock
 from ..exceptions import InvalidRequest, NotFound, SessionSuperseded
-from ..models import Attempt, AttemptState, Worker
+from ..models import Affinity, Attempt, AttemptState, Worker
 from ..types import (
     MAX_CAPABILITIES,
     MAX_CAPACITY,
@@ -165,7 +165,8 @@ def worker_forget(*, worker_id: str, actor: str | None = None, clock: Clock | No
     active attempt: it leaves the worker lists, the status document and the blocked-job
     reasons (a job waiting for its pool then says no worker is there) until it registers or
     heartbeats again. Its row stays, forgotten: its attempts are the jobs' history.
-    InvalidRequest for a healthy worker or one that still holds attempts."""
+    Its affinity pins are released with it (an `affinity_released` event each). InvalidRequest
+    for a healthy worker or one that still holds attempts."""
     from ..selectors.workers import HEALTHY, worker_health  # read-only; selectors import no service
 
     now = now_of(clock)
@@ -192,5 +193,13 @@ def worker_forget(*, worker_id: str, actor: str | None = None, clock: Clock | No
     ):
         raise InvalidRequest(f"worker {worker_id!r} just came back; not forgotten", field="worker_id")
     worker_event(worker_id=worker_id, kind="forgotten", at=now, actor=actor, last_heartbeat_at=worker.last_heartbeat_at.isoformat())
+    # Its pins go with it: the operator says it is gone, so the tasks pinned to it may run anywhere.
+    keys = list(Affinity.objects.filter(worker_id=worker_id).order_by("key").values_list("key", flat=True))
+    if keys:
+        Affinity.objects.filter(worker_id=worker_id, key__in=keys).delete()
+        for key in keys:
+            worker_event(worker_id=worker_id, kind="affinity_released", at=now, actor=actor, key=key, because="forgotten")
+        with connection.cursor() as cursor:
+            emit(cursor, Wake(requirements=None))
     worker.forgotten_at = now
     return worker

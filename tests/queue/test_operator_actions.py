@@ -135,3 +135,17 @@ def test_forgetting_an_unknown_or_forgotten_worker_is_not_found(clock):
     services.worker_forget(worker_id="w1")
     with pytest.raises(NotFound):
         services.worker_forget(worker_id="w1")
+
+
+def test_forgetting_a_worker_releases_the_tasks_pinned_to_it(clock):
+    """The operator says it is gone: a pinned task's next job may go to any worker, not wait for it."""
+    worker = register("w1")
+    enqueue(affinity=True)
+    [c] = claim(worker)
+    services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
+    [pin] = Affinity.objects.all()
+    clock.advance(TIMEOUT + 1)
+    services.worker_forget(worker_id="w1", actor="alice")
+    assert not Affinity.objects.exists()
+    kinds = [(kind, detail.get("key"), detail.get("actor")) for kind, detail in worker_events("w1")]
+    assert ("affinity_released", pin.key, "alice") in kinds
