@@ -2,6 +2,7 @@
 (no settings.queue.listen, no worker token) without exposing the worker protocol: a real
 daemon, its real listener, real HTTP."""
 
+import contextlib
 import signal
 import socket
 import textwrap
@@ -38,6 +39,19 @@ def answering(url: str):
         return None
 
 
+@contextlib.contextmanager
+def daemon_of(config):
+    """`apiary run` on `config`, stopped (SIGTERM, then whatever is left) afterwards."""
+    daemon = Daemon(config)
+    try:
+        yield daemon
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.send(signal.SIGTERM)
+            daemon.wait(timeout=30)
+        daemon.stop()
+
+
 def test_admin_listen_serves_the_admin_and_answers_404_for_the_worker_protocol(tmp_path):
     port = free_port()
     config = tmp_path / "apiary.yaml"
@@ -51,8 +65,7 @@ def test_admin_listen_serves_the_admin_and_answers_404_for_the_worker_protocol(t
             runner: shell
             command: cat
         """))
-    daemon = Daemon(config)
-    try:
+    with daemon_of(config) as daemon:
         base = f"http://127.0.0.1:{port}"
         status, page = wait_for(lambda: answering(f"{base}/admin/login/"), timeout=STARTUP, what="the admin", daemon=daemon)
         assert status == 200 and "Apiary" in page and "Django administration" not in page
@@ -62,11 +75,6 @@ def test_admin_listen_serves_the_admin_and_answers_404_for_the_worker_protocol(t
             assert "unsupported_protocol" not in body and "error" not in body  # not the protocol's own 404
         assert get(f"{base}/static/apiary/admin.css")[0] == 200
         assert "admin and dashboard on http://127.0.0.1:" in daemon.output()
-    finally:
-        if daemon.proc.poll() is None:
-            daemon.send(signal.SIGTERM)
-            daemon.wait(timeout=30)
-        daemon.stop()
 
 
 def test_beside_the_queue_listener_only_the_protocols_port_answers_the_protocol(tmp_path):
@@ -87,8 +95,7 @@ def test_beside_the_queue_listener_only_the_protocols_port_answers_the_protocol(
             runner: shell
             command: cat
         """))
-    daemon = Daemon(config)
-    try:
+    with daemon_of(config) as daemon:
         admin, protocol = f"http://127.0.0.1:{admin_port}", f"http://127.0.0.1:{queue_port}"
         wait_for(lambda: answering(f"{admin}/admin/login/"), timeout=STARTUP, what="the admin", daemon=daemon)
         wait_for(lambda: answering(f"{protocol}/admin/login/"), timeout=STARTUP, what="the listener", daemon=daemon)
@@ -96,8 +103,3 @@ def test_beside_the_queue_listener_only_the_protocols_port_answers_the_protocol(
         request = urllib.request.Request(f"{protocol}/api/worker/v1/status", headers={"Authorization": f"Bearer {token}"})
         with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - a local test server
             assert response.status == 200
-    finally:
-        if daemon.proc.poll() is None:
-            daemon.send(signal.SIGTERM)
-            daemon.wait(timeout=30)
-        daemon.stop()
