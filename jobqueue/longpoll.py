@@ -82,14 +82,20 @@ def _steps(*, worker_id: str, session: str, max_jobs: int, wait: float) -> Gener
             notifier.give_back(waiter)  # a wake that fired it as it left goes to the next waiter
 
 
-def claim_with_wait(*, worker_id: str, session: str, max_jobs: int, wait: float) -> list[Claim]:
-    """The long-poll in the calling thread (which keeps its own connection)."""
+def claim_with_wait(*, worker_id: str, session: str, max_jobs: int, wait: float, committer=None) -> list[Claim]:
+    """The long-poll in the calling thread (which keeps its own connection). With a
+    `committer` (jobqueue.groupcommit) each round shares the commit of its other calls."""
     steps = _steps(worker_id=worker_id, session=session, max_jobs=max_jobs, wait=wait)
     answer = None
     try:
         while True:
             kind, arg = steps.send(answer)
-            answer = services.claim_round(**arg) if kind == "claim" else arg[0].wait(arg[1])
+            if kind != "claim":
+                answer = arg[0].wait(arg[1])
+            elif committer is not None:
+                answer = committer.call(services.claim_round, **arg)
+            else:
+                answer = services.claim_round(**arg)
     except StopIteration as done:
         return done.value
     finally:

@@ -47,6 +47,7 @@ log = logging.getLogger("apiary.worker")
 
 CLAIM_BACKOFF = {"base": 0.5, "cap": 20.0}  # seconds: the claim loop's, while the control plane is unavailable
 FINISH_BACKOFF = {"base": 0.2, "cap": 5.0}  # seconds: a job thread's, resending its finish
+SLOT_WAIT = 1.0  # seconds the claim loop waits at most for a job to end before it looks again
 LOG_FLUSH_WAIT = 5.0  # seconds a finish waits for the job's log sender to send its steps' last output
 
 
@@ -91,6 +92,7 @@ class WorkerRuntime:
         self.outbox = outbox  # workers.localdb.LocalDB for remote workers: finishes survive restarts
         self.monotonic = monotonic  # the worker's own clock for self-fencing; tests pass a fake one
         self.wake = threading.Event()  # set on drain and stop: ends the claim loop's backoff wait early
+        self.freed = threading.Event()  # set when a job ends (and on drain and stop): the claim loop claims again
         self.sleep = sleep  # a job thread's wait between finish attempts; tests pass a fake one
         # The claim loop's wait while backing off, which a drain or a stop ends early; tests pass a fake one.
         self.wait = wait or self.wake.wait
@@ -182,6 +184,7 @@ class WorkerRuntime:
             log.info("worker %s draining (%s): no new claims; %d active job(s) will finish", self.spec.worker_id, why, len(self.active))
             self.draining.set()
             self.wake.set()
+            self.freed.set()
 
     def cancel_all(self, why: str = "worker stopping") -> None:
         """A second signal: stop every runner; the jobs finish as `cancelled`."""
@@ -196,6 +199,10 @@ class WorkerRuntime:
         with self.lock:
             return not self.active
 
+    def full(self) -> bool:
+        with self.lock:
+            return len(self.active) >= self.spec.capacity
+
     def run(self) -> int:
         """Claim and run jobs until drained (or a fatal error); returns an exit code."""
         if self.registration is None:
@@ -206,11 +213,15 @@ class WorkerRuntime:
         fence.start()
         try:
             while not self.stopped.is_set():
+                self.freed.clear()  # before looking: a job that ends from here on wakes the waits below
                 self.reap()
                 if self.draining.is_set():
                     if self.idle() and (self.exit_on_drain or self.shutting_down):
                         break
-                    time.sleep(0.05)
+                    self.freed.wait(SLOT_WAIT)
+                    continue
+                if self.full():  # no capacity to claim with: wait for a job to end, not on a timer
+                    self.freed.wait(SLOT_WAIT)
                     continue
                 try:
                     claimed = self.claim_once(wait=self.claim_wait)
@@ -480,6 +491,7 @@ class WorkerRuntime:
             self._discard(job, why)
         self.stopped.set()
         self.wake.set()
+        self.freed.set()
 
     def _call(self, fn):
         """A control-plane call from the loops: transient failures are logged and
@@ -549,6 +561,9 @@ class WorkerRuntime:
             if job.logs is not None:
                 job.logs.stop()
             self.transport.close()
+            with self.lock:  # its slot is free now, not when the claim loop next looks at the thread
+                self.active.pop(claim.attempt_id, None)
+            self.freed.set()
 
     def _finish(self, job: ActiveJob, outcome: Outcome) -> None:
         claim = job.claim

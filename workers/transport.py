@@ -14,7 +14,9 @@ from django.db import close_old_connections, connection
 
 from jobqueue import conf, services
 from jobqueue.exceptions import QueueError
+from jobqueue.groupcommit import GroupCommitter
 from jobqueue.longpoll import claim_with_wait
+from jobqueue.metrics import timed_heartbeat
 from jobqueue.types import Claim, Heartbeat, LogState, Record
 
 
@@ -79,10 +81,15 @@ class InProcessTransport:
     """The embedded worker's transport: service calls in this process.
 
     Each runtime thread has its own Django connection; `close()` drops the
-    calling thread's one (job threads call it before they end)."""
+    calling thread's one (job threads call it before they end). The calls
+    of a job's attempt — claims, heartbeats, journal records, log appends,
+    finishes — go through one group committer (jobqueue.groupcommit): calls
+    that the worker's threads make at the same moment share one commit, and
+    each still returns only after the commit that holds it."""
 
-    def __init__(self, *, worker_id: str):
+    def __init__(self, *, worker_id: str, committer: GroupCommitter | None = None):
         self.worker_id = worker_id
+        self.committer = committer or GroupCommitter()
 
     def register(self, spec: WorkerSpec) -> Registration:
         close_old_connections()
@@ -99,30 +106,41 @@ class InProcessTransport:
 
     def worker_heartbeat(self, *, session: str, draining: bool, ready: bool) -> bool:
         close_old_connections()
-        worker = services.worker_heartbeat(worker_id=self.worker_id, session=session, draining=draining, ready=ready)
+        worker = self.committer.call(
+            services.worker_heartbeat, worker_id=self.worker_id, session=session, draining=draining, ready=ready
+        )
         return worker.drain_requested
 
     def claim(self, *, session: str, max_jobs: int, wait: float) -> list[Claim]:
         close_old_connections()
-        return claim_with_wait(worker_id=self.worker_id, session=session, max_jobs=max_jobs, wait=wait)
+        return claim_with_wait(
+            worker_id=self.worker_id, session=session, max_jobs=max_jobs, wait=wait, committer=self.committer
+        )
 
+    @timed_heartbeat
     def heartbeat(self, *, attempt_id: int, token: str, checkpoint: tuple[str, str] | None = None) -> Heartbeat:
         if checkpoint is None:
-            return services.attempt_heartbeat(attempt_id=attempt_id, token=token)
+            return self.committer.call(services.attempt_heartbeat, attempt_id=attempt_id, token=token)
         step, content = checkpoint
-        return services.attempt_heartbeat_with_checkpoint(attempt_id=attempt_id, token=token, step=step, content=content)
+        return self.committer.call(
+            services.attempt_heartbeat_with_checkpoint, attempt_id=attempt_id, token=token, step=step, content=content
+        )
 
     def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str:
-        return services.attempt_finish(attempt_id=attempt_id, token=token, outcome=outcome, summary=summary, error=error)
+        return self.committer.call(
+            services.attempt_finish, attempt_id=attempt_id, token=token, outcome=outcome, summary=summary, error=error
+        )
 
     def record(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> Record:
-        return services.job_record(attempt_id=attempt_id, token=token, key=key, state=state, value=value)
+        return self.committer.call(services.job_record, attempt_id=attempt_id, token=token, key=key, state=state, value=value)
 
     def records(self, *, attempt_id: int, token: str) -> list[Record]:
-        return services.job_records(attempt_id=attempt_id, token=token)
+        return self.committer.call(services.job_records, attempt_id=attempt_id, token=token)
 
     def log_append(self, *, attempt_id: int, token: str, stream: str, offset: int, text: str, final: bool) -> LogState:
-        return services.log_append(attempt_id=attempt_id, token=token, stream=stream, offset=offset, text=text, final=final)
+        return self.committer.call(
+            services.log_append, attempt_id=attempt_id, token=token, stream=stream, offset=offset, text=text, final=final
+        )
 
     def close(self) -> None:
         connection.close()

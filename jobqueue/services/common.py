@@ -27,6 +27,7 @@ def service(fn):
         except OperationalError as exc:
             raise Unavailable(f"database unavailable: {exc}") from exc
 
+    wrapper.body = fn  # the service inside a caller's transaction (jobqueue.groupcommit runs many in one)
     return wrapper
 
 

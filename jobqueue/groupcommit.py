@@ -1,0 +1,170 @@
+"""Group commit: the durable calls of many threads of one process in one transaction.
+
+Each queue service is one durable transaction, and on SQLite with
+`synchronous=FULL` (or PostgreSQL with `synchronous_commit=on`) most of a
+short call's time is its commit. A process whose threads make many such
+calls at once — the embedded worker's job threads finishing, recording,
+streaming logs — can share commits: a call waits in line while a commit is
+under way, and the next commit carries every call that queued meanwhile,
+each in a savepoint of its own. Nothing is answered before the commit that
+holds it returns: a caller gets its result (or its error) only then, and a
+commit that fails answers every call in it `Unavailable`, with none of them
+written. No call waits for company: the first caller with nobody committing
+commits at once, alone; grouping happens only while a commit is in flight.
+
+The committing thread is one of the callers (the leader), on its own Django
+connection: when its commit is done it hands the next batch to the first
+caller still waiting, so no thread commits for others for long and no
+extra thread or connection exists. A call made inside a transaction of the
+caller's own (a test's) runs there, as the plain service would.
+
+`call(service, **kwargs)` takes a function made with `services.common.service`
+(its body runs here: `service.body`); `defer(...)` queues one that nobody
+waits for (step history), committed with the next batch or by the caller
+itself when nobody is committing.
+"""
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+
+from django.db import DatabaseError, OperationalError, connection, transaction
+
+from .exceptions import QueueError, Unavailable
+
+log = logging.getLogger("apiary.queue")
+
+MAX_BATCH = 256  # calls per commit: bounds how long one commit holds SQLite's write lock
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    body: Callable
+    kwargs: dict
+    waiting: bool  # a caller waits for the answer (False: deferred)
+    wake: threading.Event = dataclasses.field(default_factory=threading.Event)
+    finished: bool = False  # set, then `wake`, when the commit holding it is over
+    lead: bool = False  # set, then `wake`, when this caller is to commit the next batch
+    result: object = None
+    error: BaseException | None = None
+
+
+class GroupCommitter:
+    def __init__(self, *, max_batch: int = MAX_BATCH):
+        self.max_batch = max_batch
+        self._lock = threading.Lock()
+        self._pending: list[_Call] = []
+        self._leading = False  # a thread is committing, or has been handed the next batch
+        self.before_commit: Callable[[int], None] = lambda size: None  # tests: the point to kill a process at
+
+    def call(self, service: Callable, /, **kwargs):
+        """`service(**kwargs)`, committed with whatever other calls are queued; its result or error."""
+        item = _Call(_body(service), kwargs, waiting=True)
+        if connection.in_atomic_block:  # the caller's own transaction: no one else's calls belong in it
+            return _run_one(item.body, kwargs)
+        if self._enqueue(item):
+            self._lead()
+        while not item.finished:
+            item.wake.wait()
+            item.wake.clear()  # the flags are read after the clear: a wake set meanwhile is not lost
+            if item.lead:  # handed the next batch (ours is in it, or in one after it)
+                item.lead = False
+                self._lead()
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    def defer(self, service: Callable, /, **kwargs) -> None:
+        """`service(**kwargs)` with the next commit; nobody waits for it. When nobody is
+        committing the caller commits it now. Its errors are logged, not raised."""
+        item = _Call(_body(service), kwargs, waiting=False)
+        if connection.in_atomic_block:
+            try:
+                _run_one(item.body, kwargs)
+            except (QueueError, DatabaseError) as exc:
+                log.warning("deferred %s failed: %s", item.body.__name__, exc)
+            return
+        if self._enqueue(item):
+            self._lead()
+
+    def flush(self) -> None:
+        """Commit what is deferred now, if nobody is committing (at shutdown)."""
+        with self._lock:
+            lead = bool(self._pending) and not self._leading
+            self._leading = self._leading or lead
+        if lead:
+            self._lead()
+
+    def _enqueue(self, item: _Call) -> bool:
+        """Queue `item`; True when the caller is to commit (nobody is)."""
+        with self._lock:
+            self._pending.append(item)
+            if self._leading:
+                return False
+            self._leading = True
+            return True
+
+    def _lead(self) -> None:
+        """Commit batches until a waiting caller can take over or nothing is left."""
+        while True:
+            with self._lock:
+                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+            if batch:
+                self._commit(batch)
+            with self._lock:
+                heir = next((item for item in self._pending if item.waiting), None)
+                if heir is None and self._pending:
+                    continue  # only deferred calls are left: commit them too
+                if heir is None:
+                    self._leading = False
+                    return
+            heir.lead = True  # it commits the next batch (its own among it) on its own connection
+            heir.wake.set()
+            return
+
+    def _commit(self, batch: list[_Call]) -> None:
+        failed = None
+        try:
+            with transaction.atomic(durable=True):
+                for item in batch:
+                    try:
+                        with transaction.atomic():  # a savepoint: a call that fails leaves no write
+                            item.result = item.body(**item.kwargs)
+                    except QueueError as exc:
+                        item.error = exc
+                    except OperationalError as exc:  # as the service's own wrapper maps it
+                        item.error = Unavailable(f"database unavailable: {exc}")
+                        item.error.__cause__ = exc
+                    except Exception as exc:  # noqa: BLE001 - the caller's to handle, as the plain call's would be
+                        item.error = exc
+                self.before_commit(len(batch))
+        except DatabaseError as exc:  # BEGIN or COMMIT failed: nothing of the batch was written
+            failed = Unavailable(f"database unavailable: {exc}")
+        except BaseException as exc:
+            failed = Unavailable(f"group commit failed: {exc!r}")  # its callers must not wait for ever
+            raise
+        finally:
+            for item in batch:
+                if failed is not None:
+                    item.result, item.error = None, failed
+                if item.error is not None and not item.waiting:
+                    log.warning("deferred %s failed: %s", item.body.__name__, item.error)
+                item.finished = True
+                item.wake.set()
+
+
+def _body(service: Callable) -> Callable:
+    body = getattr(service, "body", None)
+    if body is None:
+        raise TypeError(f"{service!r} is not a queue service (services.common.service)")
+    return body
+
+
+def _run_one(body: Callable, kwargs: dict):
+    """One call in the caller's open transaction, in a savepoint as the batch's are."""
+    try:
+        with transaction.atomic():
+            return body(**kwargs)
+    except OperationalError as exc:
+        raise Unavailable(f"database unavailable: {exc}") from exc

@@ -1,0 +1,164 @@
+"""Group commit (jobqueue.groupcommit): the calls that threads make while a commit is
+under way share the next one, each keeps its own answer, and nobody is answered
+before the commit that holds its call.
+
+The threads here have their own database connections, as the embedded worker's
+do, so the tests run on a transactional database. Grouping is forced, not hoped
+for: the first commit is held open (`before_commit`) until every other call has
+queued behind it."""
+
+import threading
+
+import pytest
+from django.db import OperationalError
+
+from jobqueue import services
+from jobqueue.exceptions import StaleAttempt, Unavailable
+from jobqueue.groupcommit import GroupCommitter
+from jobqueue.models import Attempt, AttemptState, Job, JobState
+from tests.factories import claim, enqueue_job, make_task, register
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+THREADS = 6
+
+
+def _claims(n: int):
+    for _ in range(n):
+        enqueue_job(make_task())
+    worker = register(capacity=n)
+    return claim(worker, max_jobs=n)
+
+
+def _finish(committer: GroupCommitter, c, token=None):
+    return committer.call(
+        services.attempt_finish, attempt_id=c.attempt_id, token=token or c.token, outcome="succeeded", summary={}
+    )
+
+
+def _in_threads(calls) -> list:
+    """Run each call on a thread of its own (own connection); their answers or errors, in order."""
+    from django.db import connection
+
+    answers: list = [None] * len(calls)
+
+    def run(i, fn):
+        try:
+            answers[i] = fn()
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            answers[i] = exc
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a caller never got its answer"
+    return answers
+
+
+class _HeldFirstCommit:
+    """before_commit that holds the first commit until `others` more calls have queued behind it,
+    and records each commit's size."""
+
+    def __init__(self, committer: GroupCommitter, others: int):
+        self.committer, self.others = committer, others
+        self.sizes: list[int] = []
+
+    def __call__(self, size: int) -> None:
+        self.sizes.append(size)
+        if len(self.sizes) == 1:
+            for _ in range(3000):
+                with self.committer._lock:
+                    if len(self.committer._pending) >= self.others:
+                        return
+                threading.Event().wait(0.01)
+            raise AssertionError("the other calls never queued")
+
+
+def test_calls_made_during_a_commit_share_the_next_one_and_each_gets_its_own_answer():
+    claims = _claims(THREADS)
+    committer = GroupCommitter()
+    held = committer.before_commit = _HeldFirstCommit(committer, THREADS - 1)
+    first = threading.Thread(target=lambda: _in_threads([lambda: _finish(committer, claims[0])]))
+    first.start()
+    while not held.sizes:  # the first call is committing (held open) before the others call
+        threading.Event().wait(0.005)
+    answers = _in_threads([lambda c=c: _finish(committer, c) for c in claims[1:]])
+    first.join(30)
+
+    assert held.sizes == [1, THREADS - 1]  # two commits for six finishes
+    assert answers == [JobState.SUCCEEDED] * (THREADS - 1)
+    assert Job.objects.filter(state=JobState.SUCCEEDED).count() == THREADS
+
+
+def test_a_refused_call_leaves_the_others_of_its_commit_written():
+    claims = _claims(3)
+    committer = GroupCommitter()
+    held = committer.before_commit = _HeldFirstCommit(committer, 2)
+    first = threading.Thread(target=lambda: _in_threads([lambda: _finish(committer, claims[0])]))
+    first.start()
+    while not held.sizes:
+        threading.Event().wait(0.005)
+    stale, good = _in_threads([lambda: _finish(committer, claims[1], token="not-the-token"), lambda: _finish(committer, claims[2])])
+    first.join(30)
+
+    assert held.sizes == [1, 2]
+    assert isinstance(stale, StaleAttempt)
+    assert good == JobState.SUCCEEDED
+    states = dict(Attempt.objects.values_list("id", "state"))
+    assert states[claims[1].attempt_id] == AttemptState.ACTIVE  # the refused one changed nothing
+    assert states[claims[2].attempt_id] == AttemptState.SUCCEEDED
+
+
+def test_a_commit_that_fails_answers_every_call_in_it_unavailable_and_writes_none():
+    claims = _claims(THREADS)
+    committer = GroupCommitter()
+    held = _HeldFirstCommit(committer, THREADS - 1)
+
+    def fail_second(size: int) -> None:
+        held(size)
+        if len(held.sizes) == 2:
+            raise OperationalError("disk I/O error")  # what a failing COMMIT raises
+
+    committer.before_commit = fail_second
+    first = threading.Thread(target=lambda: _in_threads([lambda: _finish(committer, claims[0])]))
+    first.start()
+    while not held.sizes:
+        threading.Event().wait(0.005)
+    answers = _in_threads([lambda c=c: _finish(committer, c) for c in claims[1:]])
+    first.join(30)
+
+    assert held.sizes == [1, THREADS - 1]
+    assert all(isinstance(a, Unavailable) for a in answers), answers
+    assert Job.objects.filter(state=JobState.SUCCEEDED).count() == 1  # only the first commit's
+    assert Attempt.objects.filter(state=AttemptState.ACTIVE).count() == THREADS - 1
+
+
+def test_a_deferred_call_is_committed_by_its_caller_when_nobody_is_committing():
+    (c,) = _claims(1)
+    committer = GroupCommitter()
+    sizes = []
+    committer.before_commit = sizes.append
+    _in_threads([lambda: committer.defer(services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")])
+    assert sizes == [1]
+    assert Job.objects.get().state == JobState.SUCCEEDED
+
+
+def test_a_call_inside_the_callers_own_transaction_runs_there():
+    from django.db import transaction
+
+    (c,) = _claims(1)
+    committer = GroupCommitter()
+    committer.before_commit = lambda size: pytest.fail("no group commit inside the caller's transaction")
+    with pytest.raises(RuntimeError), transaction.atomic():
+        assert _finish(committer, c) == JobState.SUCCEEDED
+        raise RuntimeError("roll back")  # the caller's transaction decides: nothing stays
+    assert Job.objects.get().state == JobState.LEASED
+
+
+def test_only_services_can_be_grouped():
+    with pytest.raises(TypeError, match="not a queue service"):
+        GroupCommitter().call(len, obj=())
