@@ -13,7 +13,7 @@ workflow whose only step runs `true`, the embedded worker with capacity
 its own session, from this checkout or from `--source-tree DIR` (its code
 first on PYTHONPATH, as bench/fleet.py does), until it exits by itself.
 
-Columns (see bench/E2E-README-SECTION.md for the definitions):
+Columns (bench/README.md, "End to end, local mode", says more):
 
 * `wall s`: spawn of the child → its exit (everything: Django start-up,
   migrations, polling, dispatch, processing, the idle check and the drain).
