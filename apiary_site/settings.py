@@ -165,7 +165,7 @@ def _postgres(url: str) -> dict:
 
 def _sqlite(path: Path) -> dict:
     return {
-        "ENGINE": "django.db.backends.sqlite3",
+        "ENGINE": "jobqueue.sqlite_backend",  # Django's, with placeholder conversion cached
         "NAME": str(path),
         "CONN_MAX_AGE": None,
         "OPTIONS": {

@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,9 +105,10 @@ def run_throughput(spec: dict) -> dict:
     enqueue_s, enqueue_cpu = time.perf_counter() - started, time.process_time() - cpu
     connection.close()  # the claimers own the database from here
 
+    threads = spec.get("threads", 1)
     claimers = [
         subprocess.Popen(
-            [sys.executable, "-m", "bench.measure", "claimer", json.dumps({"worker_id": f"bench-{i}"})],
+            [sys.executable, "-m", "bench.measure", "claimer", json.dumps({"worker_id": f"bench-{i}", "threads": threads})],
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -138,6 +140,7 @@ def run_throughput(spec: dict) -> dict:
         "db": facts,
         "jobs": jobs,
         "procs": procs,
+        "threads": threads,
         "enqueue_per_s": jobs / enqueue_s,
         "enqueue_cpu_ms": enqueue_cpu / jobs * 1000,
         "claim_finish_per_s": claimed / span,
@@ -157,35 +160,64 @@ def _result_of(stdout: str) -> dict:
 
 
 def run_claimer(spec: dict) -> dict:
+    """One worker: with `threads` T > 1 it has capacity T and T threads, each claiming one
+    job and finishing it, as the embedded worker's job threads do, their calls sharing
+    commits through one GroupCommitter; with T = 1, plain service calls, one job at a time."""
     django_setup(migrate=False)
+    from django.db import connection
+
     from jobqueue import services
     from jobqueue.exceptions import Unavailable
+    from jobqueue.groupcommit import GroupCommitter
 
-    worker = services.worker_register(worker_id=spec["worker_id"], capabilities=CAPABILITIES, pid=os.getpid())
+    threads = spec.get("threads", 1)
+    worker = services.worker_register(
+        worker_id=spec["worker_id"], capabilities=CAPABILITIES, pid=os.getpid(), capacity=threads
+    )
+    committer = GroupCommitter() if threads > 1 else None
+
+    def call(service, **kwargs):
+        return committer.call(service, **kwargs) if committer else service(**kwargs)
+
+    counts = {"claimed": 0, "retries": 0}
+
+    def drain() -> None:
+        try:
+            while True:
+                try:
+                    batch = call(services.jobs_claim, worker_id=worker.worker_id, session=worker.session, max_jobs=1)
+                except Unavailable:
+                    counts["retries"] += 1
+                    continue
+                if not batch:
+                    return
+                for c in batch:
+                    while True:
+                        try:
+                            call(services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
+                            break
+                        except Unavailable:
+                            counts["retries"] += 1
+                    counts["claimed"] += 1
+        finally:
+            connection.close()
+
+    connection.close()
     print("READY", flush=True)
     if sys.stdin.readline().strip() != "GO":
         raise SystemExit("no GO")
-    claimed = retries = 0
     cpu = time.process_time()
     start = time.monotonic()  # CLOCK_MONOTONIC is system-wide on Linux: comparable across processes
-    while True:
-        try:
-            batch = services.jobs_claim(worker_id=worker.worker_id, session=worker.session, max_jobs=1)
-        except Unavailable:
-            retries += 1
-            continue
-        if not batch:
-            break
-        for c in batch:
-            while True:
-                try:
-                    services.attempt_finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
-                    break
-                except Unavailable:
-                    retries += 1
-            claimed += 1
+    if threads == 1:
+        drain()
+    else:
+        pool = [threading.Thread(target=drain) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
     end = time.monotonic()
-    return {"claimed": claimed, "start": start, "end": end, "retries": retries, "cpu": time.process_time() - cpu}
+    return {**counts, "start": start, "end": end, "cpu": time.process_time() - cpu}
 
 
 # --------------------------------------------------------------------------- depth

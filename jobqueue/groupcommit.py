@@ -107,38 +107,43 @@ class GroupCommitter:
 
     def _lead(self) -> None:
         """Commit batches until a waiting caller can take over or nothing is left."""
-        while True:
-            with self._lock:
-                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
-            if batch:
-                self._commit(batch)
-            with self._lock:
-                heir = next((item for item in self._pending if item.waiting), None)
-                if heir is None and self._pending:
-                    continue  # only deferred calls are left: commit them too
-                if heir is None:
-                    self._leading = False
-                    return
-            heir.lead = True  # it commits the next batch (its own among it) on its own connection
-            heir.wake.set()
-            return
+        try:
+            while True:
+                with self._lock:
+                    batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+                if batch:
+                    self._commit(batch)
+                with self._lock:
+                    if self._pending and not any(item.waiting for item in self._pending):
+                        continue  # only deferred calls are left: commit them too
+                    break
+        finally:  # also when this thread is torn out of the loop: leadership must never be lost
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            heir = next((item for item in self._pending if item.waiting), None)
+            if heir is None:
+                self._leading = False
+                return
+        heir.lead = True  # it commits the next batch (its own among it) on its own connection
+        heir.wake.set()
 
     def _commit(self, batch: list[_Call]) -> None:
         failed = None
         try:
-            with transaction.atomic(durable=True):
-                for item in batch:
-                    try:
-                        with transaction.atomic():  # a savepoint: a call that fails leaves no write
-                            item.result = item.body(**item.kwargs)
-                    except QueueError as exc:
-                        item.error = exc
-                    except OperationalError as exc:  # as the service's own wrapper maps it
-                        item.error = Unavailable(f"database unavailable: {exc}")
-                        item.error.__cause__ = exc
-                    except Exception as exc:  # noqa: BLE001 - the caller's to handle, as the plain call's would be
-                        item.error = exc
-                self.before_commit(len(batch))
+            if len(batch) == 1:
+                # Alone in its commit: its failure rolls back only its own writes, so it needs no savepoint.
+                self._commit_alone(batch[0])
+            else:
+                with transaction.atomic(durable=True):
+                    for item in batch:
+                        try:
+                            with transaction.atomic():  # a savepoint: a call that fails leaves no write
+                                item.result = item.body(**item.kwargs)
+                        except Exception as exc:  # noqa: BLE001 - the caller's, as the plain call's would be
+                            item.error = _answer_of(exc)
+                    self.before_commit(len(batch))
         except DatabaseError as exc:  # BEGIN or COMMIT failed: nothing of the batch was written
             failed = Unavailable(f"database unavailable: {exc}")
         except BaseException as exc:
@@ -152,6 +157,30 @@ class GroupCommitter:
                     log.warning("deferred %s failed: %s", item.body.__name__, item.error)
                 item.finished = True
                 item.wake.set()
+
+    def _commit_alone(self, item: _Call) -> None:
+        class _Refused(Exception):  # carries the call's own error out of the transaction it rolls back
+            pass
+
+        try:
+            with transaction.atomic(durable=True):
+                try:
+                    item.result = item.body(**item.kwargs)
+                except Exception as exc:  # noqa: BLE001 - the caller's, as the plain call's would be
+                    item.error = _answer_of(exc)
+                    raise _Refused from exc
+                self.before_commit(1)
+        except _Refused:
+            pass
+
+
+def _answer_of(exc: Exception) -> Exception:
+    """What a caller gets for its call's error: a database error as the service's own wrapper maps it."""
+    if isinstance(exc, OperationalError):
+        mapped = Unavailable(f"database unavailable: {exc}")
+        mapped.__cause__ = exc
+        return mapped
+    return exc
 
 
 def _body(service: Callable) -> Callable:

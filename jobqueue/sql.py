@@ -12,6 +12,7 @@ are built here from placeholders only: no value is ever formatted into SQL,
 and column names come from fixed tuples.
 """
 
+import datetime as dt
 import functools
 import json
 
@@ -191,8 +192,17 @@ def placeholders(n: int) -> str:
 
 
 def ts(value):
-    """A datetime as the backend stores it (text on SQLite)."""
-    return connection.ops.adapt_datetimefield_value(value)
+    """A datetime as the backend stores it: on SQLite the naive UTC text Django's
+    adapt_datetimefield_value makes (the services' datetimes are aware), without
+    its per-call settings lookups; on PostgreSQL the datetime itself."""
+    if value is None or not _on_sqlite():
+        return value
+    return str(value.astimezone(dt.UTC).replace(tzinfo=None))
+
+
+@functools.cache
+def _on_sqlite() -> bool:
+    return connection.vendor == "sqlite"  # one database per process (settings.DATABASES)
 
 
 def js(value) -> str:
