@@ -118,7 +118,7 @@ def _sqlite_test_db_in_a_file(path) -> None:
     from django.conf import settings
 
     default = settings.DATABASES["default"]
-    if default["ENGINE"] == "django.db.backends.sqlite3" and not default.get("TEST", {}).get("NAME"):
+    if default["ENGINE"] in ("django.db.backends.sqlite3", "jobqueue.sqlite_backend") and not default.get("TEST", {}).get("NAME"):
         default.setdefault("TEST", {})["NAME"] = str(path)
         if "APIARY_SQLITE_SYNCHRONOUS" not in os.environ:  # a throwaway file needs no fsync per commit
             options = default.setdefault("OPTIONS", {})
