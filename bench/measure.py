@@ -160,48 +160,20 @@ def _result_of(stdout: str) -> dict:
 
 
 def run_claimer(spec: dict) -> dict:
-    """One worker: with `threads` T > 1 it has capacity T and T threads, each claiming one
-    job and finishing it, as the embedded worker's job threads do, their calls sharing
-    commits through one GroupCommitter; with T = 1, plain service calls, one job at a time."""
+    """One worker. With `threads` T = 1: plain service calls, one job at a time. With T > 1,
+    the embedded worker's pattern: capacity T, a claim loop that claims up to its free
+    slots in one call, and T job threads that finish the jobs; every call goes through one
+    GroupCommitter, so calls made at the same moment share a commit."""
     django_setup(migrate=False)
     from django.db import connection
 
     from jobqueue import services
-    from jobqueue.exceptions import Unavailable
     from jobqueue.groupcommit import GroupCommitter
 
     threads = spec.get("threads", 1)
     worker = services.worker_register(
         worker_id=spec["worker_id"], capabilities=CAPABILITIES, pid=os.getpid(), capacity=threads
     )
-    committer = GroupCommitter() if threads > 1 else None
-
-    def call(service, **kwargs):
-        return committer.call(service, **kwargs) if committer else service(**kwargs)
-
-    counts = {"claimed": 0, "retries": 0}
-
-    def drain() -> None:
-        try:
-            while True:
-                try:
-                    batch = call(services.jobs_claim, worker_id=worker.worker_id, session=worker.session, max_jobs=1)
-                except Unavailable:
-                    counts["retries"] += 1
-                    continue
-                if not batch:
-                    return
-                for c in batch:
-                    while True:
-                        try:
-                            call(services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
-                            break
-                        except Unavailable:
-                            counts["retries"] += 1
-                    counts["claimed"] += 1
-        finally:
-            connection.close()
-
     connection.close()
     print("READY", flush=True)
     if sys.stdin.readline().strip() != "GO":
@@ -209,15 +181,83 @@ def run_claimer(spec: dict) -> dict:
     cpu = time.process_time()
     start = time.monotonic()  # CLOCK_MONOTONIC is system-wide on Linux: comparable across processes
     if threads == 1:
-        drain()
+        counts = _drain_serially(worker, lambda service, **kwargs: service(**kwargs))
     else:
-        pool = [threading.Thread(target=drain) for _ in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
+        counts = _drain_in_threads(worker, threads, GroupCommitter().call)
     end = time.monotonic()
     return {**counts, "start": start, "end": end, "cpu": time.process_time() - cpu}
+
+
+def _retried(counts: dict, call, service, **kwargs):
+    from jobqueue.exceptions import Unavailable
+
+    while True:
+        try:
+            return call(service, **kwargs)
+        except Unavailable:
+            counts["retries"] += 1
+
+
+def _drain_serially(worker, call) -> dict:
+    from jobqueue import services
+
+    counts = {"claimed": 0, "retries": 0}
+    fence = {"worker_id": worker.worker_id, "session": worker.session}
+    while batch := _retried(counts, call, services.jobs_claim, **fence, max_jobs=1):
+        for c in batch:
+            _retried(counts, call, services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
+            counts["claimed"] += 1
+    return counts
+
+
+def _drain_in_threads(worker, threads: int, call) -> dict:
+    import queue
+
+    from django.db import connection
+
+    from jobqueue import services
+
+    counts = {"claimed": 0, "retries": 0}
+    slots = threading.Semaphore(threads)
+    work: queue.SimpleQueue = queue.SimpleQueue()
+
+    lock = threading.Lock()
+
+    def job_thread() -> None:
+        mine = {"claimed": 0, "retries": 0}
+        try:
+            while (c := work.get()) is not None:
+                _retried(mine, call, services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
+                mine["claimed"] += 1
+                slots.release()
+        finally:
+            connection.close()
+            with lock:
+                for name, n in mine.items():
+                    counts[name] += n
+
+    pool = [threading.Thread(target=job_thread) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    fence = {"worker_id": worker.worker_id, "session": worker.session}
+    while True:
+        slots.acquire()  # a free slot, then every other one that is free now
+        free = 1
+        while slots.acquire(blocking=False):
+            free += 1
+        batch = _retried(counts, call, services.jobs_claim, **fence, max_jobs=free)
+        for _ in range(free - len(batch)):
+            slots.release()
+        if not batch:  # every job is claimed: the job threads finish what they hold
+            break
+        for c in batch:
+            work.put(c)
+    for _ in pool:
+        work.put(None)
+    for t in pool:
+        t.join()
+    connection.close()
+    return counts
 
 
 # --------------------------------------------------------------------------- depth
