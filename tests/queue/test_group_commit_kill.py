@@ -11,11 +11,12 @@ before its commit would have printed those, and they would be missing here.
 """
 
 import os
-import select
+import queue
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,13 +58,17 @@ def test_a_kill_between_a_grouped_batch_and_its_answers_loses_no_acknowledged_fi
     command += ["--hold-batch", str(HOLD_BATCH), *extra]
     stderr = (tmp_path / "child.stderr").open("w")
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    lines: queue.SimpleQueue = queue.SimpleQueue()  # a reader thread: select() cannot see lines already buffered
+    threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put("")], daemon=True).start()
     acked: set[int] = set()
     held: list[int] = []
     deadline = time.monotonic() + 120
     try:
         while not held:
-            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            line = proc.stdout.readline() if ready else ""
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = ""
             if not line:
                 pytest.fail("the child ended or hung before a grouped commit:\n" + (tmp_path / "child.stderr").read_text()[-3000:])
             kind, *ids = line.split()
@@ -73,7 +78,9 @@ def test_a_kill_between_a_grouped_batch_and_its_answers_loses_no_acknowledged_fi
                 held = [int(i) for i in ids]
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-        acked |= {int(line.split()[1]) for line in proc.stdout.read().splitlines() if line.startswith("ACK ")}
+        while line := lines.get(timeout=30):  # what it printed before the kill, up to the end of its output
+            if line.startswith("ACK "):
+                acked.add(int(line.split()[1]))
     finally:
         if proc.poll() is None:
             proc.kill()
