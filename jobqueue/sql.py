@@ -184,6 +184,35 @@ def move(table: str, columns: tuple[str, ...]) -> str:
     return f"UPDATE {table} SET state = %s{sets} WHERE id = %s AND state = %s"
 
 
+@functools.lru_cache(maxsize=64)
+def moves_with_event(moves: tuple[tuple[str, tuple[str, ...]], ...]) -> str:
+    """PostgreSQL: the guarded moves `moves` ((table, columns) each, parameters as
+    `move`'s) and an event row (INSERT_EVENT's parameters) in one statement, which
+    answers each move's row count: one round trip instead of one per row."""
+    parts = [f"m{i} AS ({move(table, columns)} RETURNING 1)" for i, (table, columns) in enumerate(moves)]
+    parts.append("e AS (INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail)"
+                 " VALUES (%s, %s, %s, %s, %s, %s))")
+    counts = ", ".join(f"(SELECT COUNT(*) FROM m{i})" for i in range(len(moves)))
+    return f"WITH {', '.join(parts)} SELECT {counts}"
+
+
+# PostgreSQL: a claim's attempt, its job's move to leased and the `claimed` event in one statement
+# (parameters: INSERT_ATTEMPT's, then the job's attempt_count, id; the event's at, worker, detail).
+LEASE = """
+WITH a AS (
+  INSERT INTO queue_attempt (job_id, number, worker_id, session, token_hash, state, claimed_at, lease_expires_at,
+                             error, job_state)
+  VALUES (%s, %s, %s, %s, %s, 'active', %s, %s, '', '') RETURNING id, job_id
+), j AS (
+  UPDATE queue_job SET state = 'leased', current_attempt_id = (SELECT id FROM a), attempt_count = %s
+   WHERE id = %s AND state = 'queued' RETURNING 1
+), e AS (
+  INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail)
+  SELECT a.job_id, 'claimed', %s, %s, a.id, %s FROM a
+)
+SELECT a.id, (SELECT COUNT(*) FROM j) FROM a
+"""
+
 # --------------------------------------------------------------------------- values
 
 

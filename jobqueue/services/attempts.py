@@ -19,7 +19,7 @@ from ..wakeup import Wake
 from ..wakeup.emit import emit
 from .common import event, hash_token, now_of, postgres, service
 from .identity import acting_as as check_acting_as
-from .transitions import UNREAD, attempt_move, checked, job_move
+from .transitions import UNREAD, attempt_and_job_move, attempt_move, checked, job_move
 
 _jitter = random.Random()
 
@@ -149,22 +149,22 @@ def attempt_finish(
             failures = sql.one(cursor, sql.FAILED_ATTEMPTS, [a.job_id])[0] + 1
             new_state = JobState.QUEUED if failures < a.retry_max_attempts else JobState.FAILED
             reason = error or f"attempt {a.number} failed"
-        attempt_move(
-            cursor, attempt_id=attempt_id, old=a.state, new=outcome, finished_at=now, error=error, job_state=new_state
-        )
+        attempt = {
+            "attempt_id": attempt_id, "old": a.state, "new": outcome, "finished_at": now, "error": error,
+            "job_state": new_state,
+        }  # fmt: skip
         detail = {"outcome": outcome, "job_state": new_state}
+        job = {"job_id": a.job_id, "old": a.job_state, "new": new_state}
         if new_state == JobState.QUEUED:
             available = now + dt.timedelta(seconds=_backoff(a.retry_backoff, a.retry_backoff_max, failures))
-            job_move(
-                cursor, job_id=a.job_id, old=a.job_state, new=new_state, available_at=available, current_attempt_id=None
-            )
+            job |= {"available_at": available, "current_attempt_id": None}
             detail |= {"retry_at": available.isoformat(), "failures": failures}
         else:
-            job_move(
-                cursor, job_id=a.job_id, old=a.job_state, new=new_state, summary=summary, finished_at=now,
-                reason=reason, follow_ups=UNREAD if a.has_follow_ups else "{}",
-            )  # fmt: skip
-        event(cursor, job_id=a.job_id, kind="finished", at=now, worker_id=a.worker_id, attempt_id=attempt_id, **detail)
+            job |= {"summary": summary, "finished_at": now, "reason": reason}
+        attempt_and_job_move(
+            cursor, attempt=attempt, job=job, follow_ups=UNREAD if a.has_follow_ups else "{}",
+            event=(a.job_id, "finished", sql.ts(now), a.worker_id, attempt_id, sql.js(detail)),
+        )  # fmt: skip
         retry_in = (available - now).total_seconds() if new_state == JobState.QUEUED else None
         _freed(cursor, a.job_id, a.requirements_id, retry_in)
     return new_state

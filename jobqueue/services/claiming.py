@@ -21,12 +21,12 @@ from django.db import connection
 from .. import conf, sql
 from ..clock import Clock
 from ..exceptions import NotFound, SessionSuperseded
-from ..models import JobState, RequirementSet
+from ..models import JOB_TRANSITIONS, JobState, RequirementSet
 from ..types import Claim
 from ..wakeup import notifier
 from .affinity import pin
 from .common import event, hash_token, now_of, postgres, service
-from .transitions import job_move
+from .transitions import LostUpdate, check_transition, job_move
 
 CANDIDATE_SPARES = 8  # PostgreSQL: extra candidates per claim, for rows other claimers hold locked
 UNION_TERMS = 400  # classes walked per candidate statement (SQLite's compound SELECT limit is 500)
@@ -243,17 +243,19 @@ def _lease(cursor, cand: dict, worker_id: str, session: str, now: dt.datetime, c
     number = cand["attempt_count"] + 1
     expires = now + cfg.lease
     n_ow = sql.ts(now)
-    row = sql.one(
-        cursor,
-        sql.INSERT_ATTEMPT,
-        [cand["id"], number, worker_id, session, hash_token(token), n_ow, sql.ts(expires)],
-    )
-    attempt_id = row[0]
-    job_move(
-        cursor, job_id=cand["id"], old=JobState.QUEUED, new=JobState.LEASED,
-        current_attempt_id=attempt_id, attempt_count=number,
-    )
-    event(cursor, job_id=cand["id"], kind="claimed", at=now, worker_id=worker_id, attempt_id=attempt_id, number=number)
+    attempt = [cand["id"], number, worker_id, session, hash_token(token), n_ow, sql.ts(expires)]
+    if postgres():  # the attempt, the job's move and its event in one round trip
+        check_transition(JOB_TRANSITIONS, JobState.QUEUED, JobState.LEASED)
+        attempt_id, moved = sql.one(cursor, sql.LEASE, [*attempt, number, cand["id"], n_ow, worker_id, sql.js({"number": number})])
+        if moved != 1:
+            raise LostUpdate(f"queue_job {cand['id']} was not queued any more (moving to leased)")
+    else:
+        attempt_id = sql.one(cursor, sql.INSERT_ATTEMPT, attempt)[0]
+        job_move(
+            cursor, job_id=cand["id"], old=JobState.QUEUED, new=JobState.LEASED,
+            current_attempt_id=attempt_id, attempt_count=number,
+        )
+        event(cursor, job_id=cand["id"], kind="claimed", at=now, worker_id=worker_id, attempt_id=attempt_id, number=number)
     return Claim(
         job_id=cand["id"],
         attempt_id=attempt_id,

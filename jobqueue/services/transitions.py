@@ -11,6 +11,8 @@ than writing over a row another process moved.
 
 import datetime as dt
 
+from django.db import connection
+
 from .. import sql
 from ..models import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, TERMINAL_JOB_STATES
 
@@ -47,13 +49,46 @@ def job_move(cursor, *, job_id: int, old: str, new: str, follow_ups=UNREAD, **co
     """Move job `job_id` from `old` to `new`, setting `columns` (sql.JOB_COLUMNS).
     A move into a terminal state enqueues the job's follow-ups for that state in
     the same transaction (services/followups.py): every path that settles a
-    job (finish, expiry, cancel) goes through here."""
+    job (finish, expiry, cancel) goes through here, or through `moves_with_event`."""
     _move(cursor, "queue_job", JOB_TRANSITIONS, job_id, old, new, columns)
+    _settled(cursor, job_id, new, follow_ups, columns)
+
+
+def _settled(cursor, job_id: int, new: str, follow_ups, columns: dict) -> None:
     if new in TERMINAL_JOB_STATES:
         from .followups import enqueue_follow_ups  # it enqueues jobs, whose services import this module
 
         # Every settling move sets finished_at from its service's clock: the follow-ups are stamped with it.
         enqueue_follow_ups(cursor, job_id, new, None if follow_ups is UNREAD else follow_ups, now=columns["finished_at"])
+
+
+def attempt_and_job_move(cursor, *, attempt: dict, job: dict, event: tuple, follow_ups=UNREAD) -> None:
+    """`attempt_move(**attempt)`, `job_move(**job)` and the job's event row
+    (INSERT_EVENT's parameters): on PostgreSQL in one statement, each move still
+    a compare-and-set whose row count must be one."""
+    if connection.vendor != "postgresql":
+        attempt_move(cursor, **attempt)
+        job_move(cursor, follow_ups=follow_ups, **job)
+        cursor.execute(sql.INSERT_EVENT, list(event))
+        return
+    shapes, params = [], []
+    for table, transitions, spec, id_name in (
+        ("queue_attempt", ATTEMPT_TRANSITIONS, attempt, "attempt_id"),
+        ("queue_job", JOB_TRANSITIONS, job, "job_id"),
+    ):
+        spec = dict(spec)
+        row_id, old, new = spec.pop(id_name), spec.pop("old"), spec.pop("new")
+        check_transition(transitions, old, new)
+        names = tuple(sorted(spec))
+        shapes.append((table, names))
+        params += [new, *(_value(spec[n]) for n in names), row_id, old]
+    cursor.execute(sql.moves_with_event(tuple(shapes)), [*params, *event])
+    counts = cursor.fetchone()
+    for (table, _), count, spec, id_name in zip(shapes, counts, (attempt, job), ("attempt_id", "job_id"), strict=True):
+        if count != 1:
+            raise LostUpdate(f"{table} {spec[id_name]} was not {spec['old']} any more (moving to {spec['new']})")
+    job_columns = {k: v for k, v in job.items() if k not in ("job_id", "old", "new")}
+    _settled(cursor, job["job_id"], job["new"], follow_ups, job_columns)
 
 
 def attempt_move(cursor, *, attempt_id: int, old: str, new: str, **columns) -> None:
