@@ -121,7 +121,7 @@ def measure_backend(backend, sizes: dict, repeat: int) -> dict:
         for procs in (1, 4):
             t0 = time.monotonic()
             res = child(
-                "bench.measure", ["throughput", json.dumps({"jobs": sizes["jobs"], "procs": procs})], backend.env()
+                "bench.measure", ["throughput", json.dumps({"jobs": sizes["jobs"], "procs": procs, "threads": sizes.get("threads", 1)})], backend.env()
             )
             add("enqueue", res["enqueue_per_s"])
             add(f"claim_finish_{procs}", res["claim_finish_per_s"])
@@ -328,8 +328,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes (depths 1k/10k) for a fast smoke run")
     parser.add_argument("--repeat", type=int, default=1, help="run each measurement N times and report medians")
     parser.add_argument("--json", metavar="PATH", help="also write every raw sample to PATH")
+    parser.add_argument("--depths", metavar="N,N,…", help="queue depths for the claim latency (default 1k,10k,100k)")
+    parser.add_argument("--threads", type=int, default=1, help="claim+finish: job threads per claimer process"
+                        " (> 1: the embedded worker's pattern, calls sharing commits through a GroupCommitter)")
     args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = dict(QUICK if args.quick else FULL)
+    if args.depths:
+        try:
+            sizes["depths"] = sorted(int(d.replace("_", "")) for d in args.depths.split(","))
+        except ValueError:
+            parser.error(f"--depths: whole numbers separated by commas, got {args.depths!r}")
+    sizes["threads"] = args.threads
     wanted = ["sqlite", "postgres"] if args.backend == "all" else [args.backend]
 
     env = environment_line(args.repeat)
