@@ -142,6 +142,8 @@ def run_step(
         if cancel.is_set():
             return result("cancelled", None)
         try:
+            # No preexec_fn, and start_new_session rather than one: CPython then starts the child
+            # with vfork (3.11), not a fork that copies the page tables of the whole worker.
             proc = subprocess.Popen(
                 argv,
                 cwd=cwd,
