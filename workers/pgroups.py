@@ -221,8 +221,12 @@ def signal_group(pgid: int, sig: int) -> bool:
 
 def _read_stat(pid: int) -> list[str] | None:
     """Fields of /proc/<pid>/stat after the command name (index 0 = state)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
+    try:  # one open and one read, not a text file object: it runs for every step, and for all of /proc
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        try:
+            raw = os.read(fd, 4096).decode("utf-8", errors="replace")  # the command name may be any bytes
+        finally:
+            os.close(fd)
     except OSError:
         return None
     # The command name is in parentheses and may itself contain spaces or ')'.
