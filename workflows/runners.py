@@ -224,19 +224,18 @@ def _pidfd(pid: int) -> int | None:
 
 
 def _stop_group(proc: subprocess.Popen, output: _Output, *, grace: float) -> None:
-    """End every process of the step's group and reap the leader. The output is copied
-    meanwhile, so a process that prints while it stops never blocks on a full pipe."""
+    """End every process of the step's group and reap the leader, copying its output meanwhile."""
     pgid = proc.pid
     if _group_has_live_members(proc):
         signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while _group_has_live_members(proc) and time.monotonic() < deadline:
-            output.pump(POLL_INTERVAL)  # no process group can be waited for: look again
+            output.pump_for(POLL_INTERVAL)  # no process group can be waited for: look again then
         if _group_has_live_members(proc):
             signal_group(pgid, signal.SIGKILL)
             deadline = time.monotonic() + KILL_WAIT
             while _group_has_live_members(proc) and time.monotonic() < deadline:
-                output.pump(POLL_INTERVAL)
+                output.pump_for(POLL_INTERVAL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=KILL_WAIT)
     if proc.returncode is None:
@@ -305,6 +304,12 @@ class _Output:
             self.log.write(chunk)
             self.capture.add(chunk, stdout=key.data)
         return bool(ready)
+
+    def pump_for(self, seconds: float) -> None:
+        """Copy output for `seconds` (a process that prints while it stops never blocks on a full pipe)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self.pump(left)
 
     def drain(self) -> None:
         """Copy the rest, once the group is gone: until both pipes close, or until nothing more
