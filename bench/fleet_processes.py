@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests import pgcluster  # noqa: E402 - after the path: bench/ runs as a script
+from workers import pgroups  # noqa: E402
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 SELF_FENCED = re.compile(r"stopping the runner and discarding its result: .*self-fenced")  # once per attempt
@@ -157,12 +158,9 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
-        runs = self.directory / ".apiary" / "run" / self.worker_id  # the steps' process groups (workers/pgroups.py)
-        if runs.is_dir():
-            for group in runs.iterdir():
-                if group.name.isdigit():
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(int(group.name), signal.SIGKILL)
+        for pgid in pgroups.recorded(self.directory / ".apiary" / "run" / self.worker_id):  # the steps' groups
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
 
 
 def wait_until(condition, *, timeout: float, what: str, step: float = 0.5):

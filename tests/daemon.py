@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tests import waiting
+from workers import pgroups
 
 REPO = Path(__file__).resolve().parent.parent
 MANAGE = REPO / "manage.py"
@@ -164,11 +165,8 @@ class Daemon:
 
 
 def recorded_groups(state_dir: Path, worker_id: str = "embedded") -> list[int]:
-    """The process groups a worker recorded in `.apiary/run/<worker-id>/<pgid>`."""
-    directory = state_dir / "run" / worker_id
-    if not directory.is_dir():
-        return []
-    return sorted(int(entry.name) for entry in directory.iterdir() if entry.name.isdigit())
+    """The process groups a worker recorded in `.apiary/run/<worker-id>/` and not as ended."""
+    return sorted(pgroups.recorded(state_dir / "run" / worker_id))
 
 
 def group_alive(pgid: int) -> bool:

@@ -201,6 +201,30 @@ def test_a_retry_after_a_failed_run_starts_over_but_never_runs_a_done_publish_ag
     assert runs(tmp_path, "plan") == ["ran", "ran"] and len(runs(tmp_path, "pub")) == 1
 
 
+def test_only_a_jobs_first_attempt_skips_reading_its_journal_an_operators_retry_reads_it(tmp_path, clock):
+    """The journal is written only through a job's attempts, and an operator's retry numbers its
+    attempts after the last: attempt 1 finds the journal empty without asking; attempt 2, here the
+    retry's, reads it (what it may skip, which run it is)."""
+    job = enqueue()
+    (tmp_path / "counts" / "last-fails").touch()
+    first = Attempt()
+    first.journal.records = lambda: pytest.fail("attempt 1 read the journal")
+    outcome = first.run(make_executor(tmp_path))
+    assert outcome.outcome == "failed" and journal_of(job)["publish:pub"][0] == "done"
+    state = services.attempt_finish(
+        attempt_id=first.claim.attempt_id, token=first.claim.token, outcome="failed", error=outcome.error
+    )
+    assert state == "failed"
+    services.job_retry(job_id=job.pk)
+    (tmp_path / "counts" / "last-fails").unlink()
+    second = Attempt()
+    assert second.claim.attempt_number == 2
+    reads, read = [], second.journal.records
+    second.journal.records = lambda: reads.append("read") or read()
+    assert second.run(make_executor(tmp_path)).outcome == "succeeded"
+    assert reads == ["read"] and len(runs(tmp_path, "pub")) == 1
+
+
 def test_a_re_attempt_on_another_worker_starts_over_but_never_runs_a_done_publish_again(tmp_path, clock):
     job = enqueue()
     (tmp_path / "counts" / "last-fails").touch()
@@ -481,16 +505,21 @@ def test_a_checkpoint_of_a_step_that_then_succeeded_is_not_pre_filled_when_the_s
         "session": {"run": 'printf "%s:%s\\n" "$${APIARY_RESUMED:-0}" "$(cat "$APIARY_CHECKPOINT" 2>/dev/null)" >> "$COUNTS/s"'},
         "after": {"run": "true"},
     }
-    first, history = interrupted_after("session", "w1")
-    services.attempt_heartbeat_with_checkpoint(
-        attempt_id=first.claim.attempt_id, token=first.claim.token, step="session", content="turn 9"
-    )  # what a heartbeat carried while the step ran
-    first.run(make_executor(tmp_path, "w1", steps=steps, history=history))
-    assert journal_of(job)["step:session"][0] == "done"
+    first = Attempt("w1")
+
+    def kept_then_interrupted(finished: str) -> None:
+        if finished == "session":  # what a heartbeat carried while the step ran, before its success
+            services.attempt_heartbeat_with_checkpoint(
+                attempt_id=first.claim.attempt_id, token=first.claim.token, step="session", content="turn 9"
+            )
+            first.cancel.set()
+
+    first.run(make_executor(tmp_path, "w1", steps=steps, history=History(on_finished=kept_then_interrupted)))
+    assert journal_of(job)["step:session"][0] == "done" and journal_of(job)["checkpoint:session"][0] == "started"
     expire(clock)
 
     assert Attempt("w2").run(make_executor(tmp_path, "w2", steps=steps)).outcome == "succeeded"
-    assert runs(tmp_path, "s") == ["1:turn 9", "0:"]  # attempt 1 itself was pre-filled: the record was there
+    assert runs(tmp_path, "s") == ["0:", "0:"]
 
 
 def test_a_spawn_recorded_by_a_worker_that_died_before_its_step_record_is_skipped_with_the_childrens_lines(

@@ -31,7 +31,9 @@ plain name or the path resolves (through symlinks too) outside `root`.
 """
 
 import datetime as dt
+import os
 import re
+import stat
 from pathlib import Path
 
 from jobqueue import jsonlimits
@@ -167,7 +169,24 @@ def inside(root: Path, *parts: str) -> Path:
         if not isinstance(part, str) or part in ("", ".", "..") or "/" in part or "\0" in part:
             raise PathOutside(f"{_show(part)} is not a plain file or folder name")
     path = Path(root).joinpath(*parts)
+    if not _a_link_among(root, parts):
+        # Plain names, none a symlink: the path resolves to the resolved root with the parts
+        # appended, inside it. (A stat per part, where resolving both walks every component.)
+        return path
     base = Path(root).resolve()
     if not path.resolve().is_relative_to(base):
         raise PathOutside(f"{path} resolves outside {base}")
     return path
+
+
+def _a_link_among(root: Path, parts: tuple[str, ...]) -> bool:
+    """Whether `root / part…` is a symlink for any prefix of the parts."""
+    current = os.fspath(root)
+    for part in parts:
+        current = os.path.join(current, part)
+        try:
+            if stat.S_ISLNK(os.lstat(current).st_mode):
+                return True
+        except OSError:  # missing (or not searchable): nothing below it exists to be a link
+            return False
+    return False

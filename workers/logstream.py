@@ -138,22 +138,22 @@ class LogSender:
                 if current is None:
                     if closing:
                         return
-                    self._pause()
+                    self._pause(None)  # no step runs: nothing to look at until one starts, or close or stop
                     continue
                 if self._send_available(current):  # sent to its end
                     with self.lock:
                         self.streams.remove(current)
                     continue
                 if not self.stopped.is_set():
-                    self._pause()
+                    self._pause(self.interval)  # the step runs: look at its file again then
         except Exception:  # a bug here must cost the logs only, never the job
             log.exception("job %s: the log sender failed; this job's logs stay on the worker", self.claim.job_id)
         finally:
             self.stopped.set()
             self.transport.close()  # this thread's database connection (in-process transport)
 
-    def _pause(self) -> None:
-        self.wake.wait(self.interval)
+    def _pause(self, timeout: float | None) -> None:
+        self.wake.wait(timeout)
         self.wake.clear()
 
     def _send_available(self, stream: _Stream) -> bool:

@@ -35,12 +35,21 @@ def tighten(path: Path) -> bool:
 def private_dir(path: Path) -> Path:
     """`path` and any missing parents made 0700 (umask aside); an existing `path` tightened."""
     path = Path(path)
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    for directory in reversed(missing):
-        directory.mkdir(mode=DIR_MODE, exist_ok=True)
-        directory.chmod(DIR_MODE)  # mkdir's mode passes through the umask
-    if not missing:
+    try:
+        # mkdir first: for a directory that exists (every step's, after the first) that is one
+        # call and the tighten's stat, not a stat of every parent.
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
         tighten(path)
+        return path
+    except FileNotFoundError:
+        private_dir(path.parent)
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:  # another thread made it meanwhile
+            tighten(path)
+            return path
+    os.chmod(path, DIR_MODE)  # mkdir's mode passes through the umask
     return path
 
 

@@ -87,7 +87,7 @@ def task_environment(
         "APIARY_TASK_PAYLOAD": _capped(json.dumps(task.get("payload", {}))),
         "APIARY_TASK_FILE": str(task_file),
     }
-    return {name: _env_safe(value) for name, value in env.items()}
+    return _safe(env)
 
 
 def task_file_write(task: dict, path: Path) -> None:
@@ -119,6 +119,10 @@ def _env_safe(value: str) -> str:
     return _NOT_IN_ENV.sub("\ufffd", value)
 
 
+def _safe(env: dict[str, str]) -> dict[str, str]:
+    return {name: _env_safe(value) for name, value in env.items()}
+
+
 # The output tail of a skipped step's history row: why it did not run (Executor._reused).
 SKIPPED_NOTES = {
     "step": "apiary: skipped, its success was recorded by an earlier attempt in this workspace; output reused",
@@ -141,6 +145,13 @@ class Executor:
         self.worker_id = worker_id
         self.history = history
         self.groups = groups
+        # The worker's environment as steps inherit it, less WITHHELD_ENV, with each agent's `env`
+        # over it, made safe for execve once: taken as the executor is made (a worker sets its
+        # environment up before), not copied and cleaned again for every job and step.
+        inherited = {name: value for name, value in os.environ.items() if name not in WITHHELD_ENV}
+        self._agent_env = {
+            agent_id: _safe({**inherited, **agent.env}) for agent_id, agent in config.agents.items()
+        }
 
     def run(self, claim: Claim, cancel: threading.Event, *, grace: float, journal: Journal | None = None) -> Outcome:
         try:
@@ -177,11 +188,10 @@ class Executor:
             task_file_write(job.task, task_file)
         except OSError as exc:
             return Outcome("failed", {}, f"cannot write the task file {task_file}: {exc}")
-        inherited = {name: value for name, value in os.environ.items() if name not in WITHHELD_ENV}
         task_env = task_environment(claim, job, worker_id=self.worker_id, workspace=workspace, task_file=task_file)
         if isinstance(job, payload.HookJob):
-            task_env = {**task_env, "APIARY_HOOK_OUTCOME": job.outcome, "APIARY_EFFECT_KEY": job.effect_key}
-        base_env = {**inherited, **agent.env, **task_env}
+            task_env |= _safe({"APIARY_HOOK_OUTCOME": job.outcome, "APIARY_EFFECT_KEY": job.effect_key})
+        base_env = {**self._agent_env[workflow.agent], **task_env}  # safe already, both
         # Rendered prompts and commands become argv and environment strings, which hold no NUL.
         context = {"task": clean(dict(job.task)), "steps": {}, "workflow": job.workflow, "attempt": claim.attempt_number}
         deadline = time.monotonic() + workflow.timeout if workflow.timeout else None
@@ -192,7 +202,9 @@ class Executor:
             agent=agent, base_env=base_env, context=context, summary=steps_summary,
         )
         try:
-            if journal is not None:
+            if journal is not None and claim.attempt_number > 1:
+                # The journal is written only through the job's attempts, and attempt 1 is the job's
+                # first (a retry numbers its attempts after the last), so before attempt 2 it is empty.
                 run.records = journal.records()
                 run.run_index = effects.run_of(run.records)[0]
             for step in steps:
@@ -265,7 +277,7 @@ class Executor:
             exited = before is not None and "exited" in before.value  # the last run's end is known: it failed
             if started.started_earlier and not exited:  # its end is unknown: run again, and say so
                 effect_env["APIARY_EFFECT_RETRY"] = "1"
-        env = {name: _env_safe(value) for name, value in {**run.base_env, **step.env, **extra_env, **effect_env}.items()}
+        env = {**run.base_env, **_safe({**step.env, **extra_env, **effect_env})}
         result = self._execute(run, history_id, argv, stdin=stdin, env=env, timeout=timeout, log_path=log_path, checkpoint=checkpoint, step_id=step.id)
         spawn_error = None
         if result.status == "succeeded":

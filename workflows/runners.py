@@ -142,6 +142,8 @@ def run_step(
         if cancel.is_set():
             return result("cancelled", None)
         try:
+            # No preexec_fn, and start_new_session rather than one: CPython then starts the child
+            # with vfork (3.11), not a fork that copies the page tables of the whole worker.
             proc = subprocess.Popen(
                 argv,
                 cwd=cwd,
@@ -159,41 +161,27 @@ def run_step(
             return result("failed", None)
 
         pgid = proc.pid  # start_new_session: the child leads its own session and group
-        if on_spawn is not None:
-            try:
-                on_spawn(pgid)
-            except Exception:
-                # Without the record a successor could not clean up; do not run unrecorded.
-                kill_process_group(pgid, 0)
-                proc.wait()
-                raise
-        reader_done = threading.Event()
-        reader = threading.Thread(
-            target=_pump, args=(proc, log, capture, reader_done), name=f"step-log-{pgid}", daemon=True
-        )
-        reader.start()
-        if stdin is not None:
-            threading.Thread(target=_feed, args=(proc, stdin), name=f"step-stdin-{pgid}", daemon=True).start()
-
-        deadline = None if timeout is None else began + timeout
-        stopped_because = None
-        while proc.poll() is None:
-            if cancel.is_set():
-                stopped_because = "cancelled"
-            elif deadline is not None and time.monotonic() >= deadline:
-                stopped_because = "timed_out"
+        output = _Output(proc, log, capture)
+        try:
+            if on_spawn is not None:
+                try:
+                    on_spawn(pgid)
+                except Exception:
+                    # Without the record a successor could not clean up; do not run unrecorded.
+                    kill_process_group(pgid, 0)
+                    proc.wait()
+                    raise
+            if stdin is not None:
+                threading.Thread(target=_feed, args=(proc, stdin), name=f"step-stdin-{pgid}", daemon=True).start()
+            stopped_because = _watch(proc, output, cancel, None if timeout is None else began + timeout)
+            # Whatever is left of the group goes too — after a stop, and also after a normal exit:
+            # a background child of the step would otherwise outlive it and hold the log pipes open.
             if stopped_because:
-                break
-            wait = POLL_INTERVAL if deadline is None else max(0.0, min(POLL_INTERVAL, deadline - time.monotonic()))
-            cancel.wait(wait)
-
-        # Whatever is left of the group goes too — after a stop, and also after a normal exit:
-        # a background child of the step would otherwise outlive it and hold the log pipes open.
-        if stopped_because:
-            logger.info("step pgid %s: %s, stopping its process group", pgid, stopped_because)
-        _stop_group(proc, grace=grace)
-        reader_done.set()
-        reader.join()
+                logger.info("step pgid %s: %s, stopping its process group", pgid, stopped_because)
+            _stop_group(proc, output, grace=grace)
+            output.drain()
+        finally:
+            output.close()
         exit_code = proc.returncode
         if stopped_because:
             note = f"\napiary: step {stopped_because.replace('_', ' ')} (exit {exit_code})\n".encode()
@@ -203,25 +191,51 @@ def run_step(
         return result("succeeded" if exit_code == 0 else "failed", exit_code)
 
 
+def _watch(proc: subprocess.Popen, output: _Output, cancel: threading.Event, deadline: float | None) -> str | None:
+    """Copy the step's output into its log until its leader exits; why it must be stopped
+    first (cancelled, timed_out), else None. It waits in one select on the pipes and the
+    leader's pidfd, so an exit or a line ends the wait at once; the timeout only bounds how
+    late a cancel (an Event, which no select can watch) is seen."""
+    exited = _pidfd(proc.pid)
+    if exited is not None:
+        output.selector.register(exited, selectors.EVENT_READ, None)
+    try:
+        while proc.poll() is None:
+            if cancel.is_set():
+                return "cancelled"
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return "timed_out"
+            output.pump(POLL_INTERVAL if deadline is None else min(POLL_INTERVAL, deadline - now))
+        return None
+    finally:
+        if exited is not None:
+            output.selector.unregister(exited)
+            os.close(exited)
 
 
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when `pid` exits (Linux 5.3+); None where there is
+    none, and the wait falls back to looking every POLL_INTERVAL."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
-
-
-def _stop_group(proc: subprocess.Popen, *, grace: float) -> None:
-    """End every process of the step's group and reap the leader."""
+def _stop_group(proc: subprocess.Popen, output: _Output, *, grace: float) -> None:
+    """End every process of the step's group and reap the leader, copying its output meanwhile."""
     pgid = proc.pid
     if _group_has_live_members(proc):
         signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while _group_has_live_members(proc) and time.monotonic() < deadline:
-            time.sleep(POLL_INTERVAL)
+            output.pump_for(POLL_INTERVAL)  # no process group can be waited for: look again then
         if _group_has_live_members(proc):
             signal_group(pgid, signal.SIGKILL)
             deadline = time.monotonic() + KILL_WAIT
             while _group_has_live_members(proc) and time.monotonic() < deadline:
-                time.sleep(POLL_INTERVAL)
+                output.pump_for(POLL_INTERVAL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=KILL_WAIT)
     if proc.returncode is None:
@@ -231,14 +245,6 @@ def _stop_group(proc: subprocess.Popen, *, grace: float) -> None:
 def _group_has_live_members(proc: subprocess.Popen) -> bool:
     proc.poll()  # reap the leader as soon as it exits, so its zombie does not count
     return process_group_alive(proc.pid)
-
-
-
-
-
-
-
-
 
 
 def printable(data: bytes) -> str:
@@ -254,48 +260,67 @@ class _Capture:
         self._stdout = bytearray()
         self._tail = bytearray()
         self._tail_bytes = tail_bytes
-        self._lock = threading.Lock()
 
     def add(self, chunk: bytes, *, stdout: bool) -> None:
-        with self._lock:
-            if stdout and len(self._stdout) < OUTPUT_CAP:
-                self._stdout += chunk[: OUTPUT_CAP - len(self._stdout)]
-            self._tail += chunk
-            if len(self._tail) > self._tail_bytes:
-                del self._tail[: len(self._tail) - self._tail_bytes]
+        if stdout and len(self._stdout) < OUTPUT_CAP:
+            self._stdout += chunk[: OUTPUT_CAP - len(self._stdout)]
+        self._tail += chunk
+        if len(self._tail) > self._tail_bytes:
+            del self._tail[: len(self._tail) - self._tail_bytes]
 
     def output(self) -> str:
-        with self._lock:
-            return printable(self._stdout)
+        return printable(self._stdout)
 
     def tail(self) -> str:
-        with self._lock:
-            return printable(self._tail)
+        return printable(self._tail)
 
 
-def _pump(proc: subprocess.Popen, log, capture: _Capture, done: threading.Event) -> None:
-    """Copy stdout and stderr into the log as they arrive, until both close —
-    or, once `done` is set (the group is gone), until nothing more is ready:
-    a process that escaped the group may still hold a pipe open."""
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ, True)
-    selector.register(proc.stderr, selectors.EVENT_READ, False)
-    try:
-        while selector.get_map():
-            ready = selector.select(timeout=0.1)
-            if not ready and done.is_set():
-                break
-            for key, _ in ready:
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    selector.unregister(key.fileobj)
-                    continue
-                log.write(chunk)
-                capture.add(chunk, stdout=key.data)
-    finally:
-        selector.close()
-        proc.stdout.close()
-        proc.stderr.close()
+DRAIN_QUIET = 0.1  # seconds without output after which a group that is gone has said all it will
+
+
+class _Output:
+    """The step's stdout and stderr, copied into the log (and the capture) by the thread that
+    runs the step: one select over both pipes (and whatever else `_watch` registers)."""
+
+    def __init__(self, proc: subprocess.Popen, log, capture: _Capture) -> None:
+        self.proc, self.log, self.capture = proc, log, capture
+        self.selector = selectors.DefaultSelector()
+        self.open = 2
+        self.selector.register(proc.stdout, selectors.EVENT_READ, True)
+        self.selector.register(proc.stderr, selectors.EVENT_READ, False)
+
+    def pump(self, timeout: float) -> bool:
+        """Wait at most `timeout` for output (or another registered event), copy what is there;
+        False when nothing was ready."""
+        ready = self.selector.select(timeout=max(0.0, timeout))
+        for key, _ in ready:
+            if key.data is None:  # not a pipe: the leader's pidfd
+                continue
+            chunk = os.read(key.fd, 65536)
+            if not chunk:
+                self.selector.unregister(key.fileobj)
+                self.open -= 1
+                continue
+            self.log.write(chunk)
+            self.capture.add(chunk, stdout=key.data)
+        return bool(ready)
+
+    def pump_for(self, seconds: float) -> None:
+        """Copy output for `seconds` (a process that prints while it stops never blocks on a full pipe)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self.pump(left)
+
+    def drain(self) -> None:
+        """Copy the rest, once the group is gone: until both pipes close, or until nothing more
+        comes for DRAIN_QUIET (a process that escaped the group may still hold a pipe open)."""
+        while self.open and self.pump(DRAIN_QUIET):
+            pass
+
+    def close(self) -> None:
+        self.selector.close()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
 
 
 def _feed(proc: subprocess.Popen, text: str) -> None:

@@ -246,6 +246,12 @@ class Notifier:
             self._drop(waiter)
         waiter.fire(Wake(requirements=None, worker_id=waiter.worker_id), by_fallback=True)
 
+    def next_tick(self) -> float:
+        """Seconds until `tick()` has something to do (the earliest timer, the next fallback); 0 when due."""
+        with self._lock:
+            due = min(self._timers[0][0], self._next_fallback) if self._timers else self._next_fallback
+        return max(0.0, due - self.monotonic())
+
     def pass_turn(self) -> None:
         """A waiter the fallback woke claimed something: more may be left that
         no wake announced, so the next waiter checks too."""

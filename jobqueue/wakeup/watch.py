@@ -1,18 +1,28 @@
 """One thread per process that brings other processes' wakes to this
 process's notifier, and ticks it (timers, the fallback re-check).
 
-PostgreSQL: one connection of its own, `LISTEN apiary_wakeup`. SQLite:
+PostgreSQL: one connection of its own, `LISTEN apiary_wakeup`, waiting on its
+socket until a notification comes or the notifier's next tick is due. SQLite:
 `PRAGMA data_version` on a connection of its own changes whenever another
-connection commits; only then does it read the new `queue_wakeup` rows.
-Either way the watcher holds no transaction open (autocommit), so it never
-pins an old snapshot or blocks a WAL checkpoint. With no claim waiting,
-SQLite is checked only four times a second (a waiter's arrival ends the
-nap): the rows stay, and the next read catches up. A broken connection is
-reopened after a pause; meanwhile the fallback keeps waiters re-checking.
+connection commits; only then does it read the new `queue_wakeup` rows. It
+looks when the database's WAL file is written (inotify, Linux: every commit
+of every connection writes to it), and otherwise sleeps until the next tick
+is due: no poll while nothing is written. A commit is visible some time after
+its write (the fsync comes between), so after a write it looks every
+POLL until the version moves, for at most SETTLE. Where there is no inotify
+(another OS, a database not in WAL mode) it looks every POLL while a claim
+waits and every IDLE_POLL otherwise. Either way the watcher holds no
+transaction open (autocommit), so it never pins an old snapshot or blocks a
+WAL checkpoint. Every wait is at most IDLE_POLL, which bounds how late a
+timer published meanwhile fires. A broken connection is reopened after a
+pause; meanwhile the fallback keeps waiters re-checking.
 """
 
+import ctypes
+import ctypes.util
 import logging
 import os
+import select
 import sqlite3
 import threading
 import time
@@ -24,8 +34,9 @@ from .notifier import Wake
 
 log = logging.getLogger("apiary.queue")
 
-POLL = 0.01  # SQLite: seconds between data_version checks while claims wait (a read of shared memory)
-IDLE_POLL = 0.25  # and while none waits: the rows stay, a later read catches up
+POLL = 0.01  # SQLite: seconds between data_version checks while a commit settles, or claims wait without inotify
+IDLE_POLL = 0.25  # the longest wait: a timer published meanwhile fires at most this late; the rows stay
+SETTLE = 0.2  # SQLite: how long after a WAL write the watcher looks for the commit to become visible
 RETRY = 1.0  # seconds before reopening a broken watcher connection
 
 _stopping = threading.Event()
@@ -88,34 +99,82 @@ def _sqlite_loop(path: str, listening: threading.Event) -> None:
         listening.set()
         while not _stopping.is_set():
             notifier.tick()
-            time.sleep(POLL)
+            _stopping.wait(_until_tick())
         return
     last_id = None  # kept across reopens: the rows written meanwhile are read, not skipped
     while not _stopping.is_set():
         try:
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5)
+            writes = None
             try:
                 if last_id is None:
                     last_id = db.execute("SELECT COALESCE(MAX(id), 0) FROM queue_wakeup").fetchone()[0]
+                writes = _wal_writes(path)  # after that read: in WAL mode the file exists now, and stays while we are open
                 _caught_up()
                 listening.set()
-                version = None
+                version, settling_until = None, 0.0
                 while not _stopping.is_set():
                     current = db.execute("PRAGMA data_version").fetchone()[0]
                     if current != version:
-                        version = current
+                        version, settling_until = current, 0.0
                         for row_id, message in db.execute(
                             "SELECT id, message FROM queue_wakeup WHERE id > ? ORDER BY id", (last_id,)
                         ).fetchall():
                             last_id = row_id
                             _deliver(message)
                     notifier.tick()
-                    _nap()
+                    if writes is None:
+                        _nap()
+                    elif time.monotonic() < settling_until:
+                        _stopping.wait(POLL)  # written, not visible yet (or written again): look again soon
+                    elif _written(writes, _until_tick()):
+                        settling_until = time.monotonic() + SETTLE
             finally:
+                if writes is not None:
+                    os.close(writes)
                 db.close()
         except Exception as exc:  # noqa: BLE001 - the watcher must outlive anything; it reopens
             log.warning("wake-up watcher: %s; reopening in %.0fs", exc, RETRY)
             _pause()
+
+
+_IN_MODIFY = 0x2
+_libc = None
+
+
+def _wal_writes(path: str) -> int | None:
+    """An inotify descriptor that becomes readable when the database's WAL file is written;
+    None where there is no inotify or no WAL file (the database is not in WAL mode)."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fd = _libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, AttributeError):  # no libc to load, or one without inotify (not Linux)
+        return None
+    if fd < 0:
+        return None
+    if _libc.inotify_add_watch(fd, os.fsencode(f"{path}-wal"), _IN_MODIFY) < 0:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _written(writes: int, timeout: float) -> bool:
+    """Wait at most `timeout` for a write to the WAL; True when one came (its events are read)."""
+    ready, _, _ = select.select([writes], [], [], timeout)
+    if not ready:
+        return False
+    try:
+        while os.read(writes, 4096):
+            pass
+    except BlockingIOError:
+        pass
+    return True
+
+
+def _until_tick() -> float:
+    return min(IDLE_POLL, notifier.next_tick())
 
 
 def _caught_up() -> None:
@@ -144,7 +203,7 @@ def _postgres_loop(params: dict, listening: threading.Event) -> None:
                 _caught_up()
                 listening.set()
                 while not _stopping.is_set():
-                    for note in db.notifies(timeout=0.05):
+                    for note in db.notifies(timeout=_until_tick()):  # a notification ends the wait
                         _deliver(note.payload)
                     notifier.tick()
         except Exception as exc:  # noqa: BLE001 - the watcher must outlive anything; it reconnects
@@ -156,4 +215,4 @@ def _pause() -> None:
     deadline = time.monotonic() + RETRY
     while time.monotonic() < deadline and not _stopping.is_set():
         notifier.tick()
-        time.sleep(POLL)
+        _stopping.wait(min(_until_tick(), max(0.0, deadline - time.monotonic())))

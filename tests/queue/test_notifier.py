@@ -204,3 +204,13 @@ def test_a_waiter_removed_is_not_woken(notifier):
     notifier.remove(first)
     notifier.publish(Wake(requirements=1))
     assert fired([first, second]) == ["w2"]
+
+
+def test_next_tick_says_how_long_the_watcher_may_sleep_before_a_timer_or_the_fallback_is_due(notifier, clock):
+    assert notifier.next_tick() == 1.0  # the fallback
+    notifier.publish(Wake(requirements=None, delay=0.25))
+    assert notifier.next_tick() == 0.25
+    clock.now += 0.5
+    assert notifier.next_tick() == 0.0
+    notifier.tick()  # the timer fired
+    assert notifier.next_tick() == 0.5

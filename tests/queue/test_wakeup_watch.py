@@ -3,6 +3,8 @@ PostgreSQL, a queue_wakeup row on SQLite, written by another connection,
 reach this process's waiters; this process's own are not heard twice."""
 
 import json
+import os
+import sqlite3
 
 import pytest
 from django.db import connection
@@ -51,3 +53,33 @@ def test_a_delayed_wake_from_another_process_waits_for_its_time():
     assert first.wait(WAIT)
     assert notifier.mark() == before + 1  # both read (in order); only the one due now delivered
     assert not second.wait(0)
+
+
+def test_on_sqlite_the_watcher_waits_for_a_write_to_the_wal_instead_of_polling(tmp_path):
+    """What the SQLite watcher blocks on between two ticks: a descriptor that stays quiet while
+    nothing is written and becomes readable when another connection commits."""
+    if postgres():
+        pytest.skip("SQLite's watcher")
+    path = str(tmp_path / "queue.db")
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("PRAGMA journal_mode=WAL")
+    writer.execute("CREATE TABLE t (x)")
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("SELECT count(*) FROM t")
+    writes = watch._wal_writes(path)
+    assert writes is not None, "no inotify: the watcher polls"
+    try:
+        assert not watch._written(writes, 0.05)
+        writer.execute("INSERT INTO t VALUES (1)")
+        assert watch._written(writes, WAIT)
+        assert not watch._written(writes, 0)  # what it read covers that write
+    finally:
+        os.close(writes)
+        reader.close()
+        writer.close()
+
+
+def test_without_a_wal_the_sqlite_watcher_has_nothing_to_wait_on_and_polls(tmp_path):
+    path = str(tmp_path / "rollback.db")
+    sqlite3.connect(path, isolation_level=None).execute("CREATE TABLE t (x)")
+    assert watch._wal_writes(path) is None

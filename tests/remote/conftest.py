@@ -40,6 +40,7 @@ import requests
 import yaml
 
 from tests import waiting
+from workers import pgroups
 
 from .proxy import Proxy
 
@@ -520,8 +521,7 @@ class WorkerProcess:
             raise AssertionError(f"{self} did not exit within {timeout:g}s\n{self.tail()}") from None
 
     def runner_groups(self) -> list[int]:
-        folder = self.directory / ".apiary" / "run" / self.worker_id
-        return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
+        return sorted(pgroups.recorded(self.directory / ".apiary" / "run" / self.worker_id))
 
     def cleanup(self) -> None:
         if self.proc.poll() is None:

@@ -122,6 +122,16 @@ def test_a_path_through_a_symlink_out_of_the_state_directory_is_refused(tmp_path
     assert inside(state, "workspaces", "8") == state / "workspaces" / "8"
 
 
+def test_a_path_through_a_symlink_that_stays_in_the_state_directory_is_accepted(tmp_path):
+    state = tmp_path / "state"
+    (state / "elsewhere" / "7").mkdir(parents=True)
+    (state / "workspaces").symlink_to(state / "elsewhere")
+    assert inside(state, "workspaces", "7") == state / "workspaces" / "7"
+    (state / "elsewhere" / "8").symlink_to(tmp_path)
+    with pytest.raises(PathOutside):  # a link below a link is followed too
+        inside(state, "workspaces", "8", "x")
+
+
 @pytest.mark.parametrize("linked", ["workspaces/7", "logs/5", "logs"])
 def test_the_executor_runs_nothing_where_a_claim_path_leads_outside_its_state_directory(tmp_path, linked):
     executor = make_executor(tmp_path, "touch ran-here; echo x > \"$APIARY_TASK_FILE.copy\"")
