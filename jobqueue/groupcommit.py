@@ -29,7 +29,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from django.db import DatabaseError, OperationalError, connection, transaction
+from django.db import DatabaseError, OperationalError, close_old_connections, connection, transaction
 
 from .exceptions import QueueError, Unavailable
 
@@ -51,11 +51,21 @@ class _Call:
 
 
 class GroupCommitter:
-    def __init__(self, *, max_batch: int = MAX_BATCH):
+    """`dedicated=True`: one thread of the committer's own makes every commit, on its one
+    connection, and the callers only wait. For callers that come and go (a thread per job,
+    a log sender per job), which would otherwise each open a database connection of their own
+    to lead a commit. The thread ends after IDLE_SECONDS without a call (and starts again
+    with the next), so a committer nobody uses holds no connection."""
+
+    IDLE_SECONDS = 5.0
+
+    def __init__(self, *, max_batch: int = MAX_BATCH, dedicated: bool = False):
         self.max_batch = max_batch
+        self.dedicated = dedicated
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)  # dedicated: calls are queued
         self._pending: list[_Call] = []
-        self._leading = False  # a thread is committing, or has been handed the next batch
+        self._leading = False  # a thread is committing, or has been handed the next batch (dedicated: it runs)
         self.before_commit: Callable[[int], None] = lambda size: None  # tests: the point to kill a process at
 
     def call(self, service: Callable, /, **kwargs):
@@ -89,7 +99,11 @@ class GroupCommitter:
             self._lead()
 
     def flush(self) -> None:
-        """Commit what is deferred now, if nobody is committing (at shutdown)."""
+        """Commit what is deferred now, if nobody is committing (at shutdown); with a
+        dedicated thread, wait until it has committed everything queued before this call."""
+        if self.dedicated:
+            self.call(_nothing)
+            return
         with self._lock:
             lead = bool(self._pending) and not self._leading
             self._leading = self._leading or lead
@@ -100,10 +114,36 @@ class GroupCommitter:
         """Queue `item`; True when the caller is to commit (nobody is)."""
         with self._lock:
             self._pending.append(item)
+            if self.dedicated:
+                if not self._leading:
+                    self._leading = True
+                    threading.Thread(target=self._serve, name="apiary-commit", daemon=True).start()
+                self._ready.notify()
+                return False
             if self._leading:
                 return False
             self._leading = True
             return True
+
+    def _serve(self) -> None:
+        """The dedicated thread: commit what is queued, until idle for IDLE_SECONDS."""
+        try:
+            while True:
+                with self._lock:
+                    if not self._pending:
+                        self._ready.wait(self.IDLE_SECONDS)
+                    if not self._pending:
+                        self._leading = False  # the next call starts a thread again
+                        return
+                    batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+                try:
+                    if not self._commit(batch):  # answers every call in it, whatever happens
+                        close_old_connections()  # a broken connection is replaced before the next batch
+                except Exception:  # noqa: BLE001 - a bug must not end the thread its callers wait on
+                    log.exception("group commit of %d call(s) failed", len(batch))
+                    close_old_connections()
+        finally:
+            connection.close()
 
     def _lead(self) -> None:
         """Commit batches until a waiting caller can take over or nothing is left."""
@@ -129,7 +169,8 @@ class GroupCommitter:
         heir.lead = True  # it commits the next batch (its own among it) on its own connection
         heir.wake.set()
 
-    def _commit(self, batch: list[_Call]) -> None:
+    def _commit(self, batch: list[_Call]) -> bool:
+        """Commit the batch and answer every call in it; False when the commit itself failed."""
         failed = None
         try:
             if len(batch) == 1:
@@ -150,6 +191,7 @@ class GroupCommitter:
                     log.warning("deferred %s failed: %s", item.body.__name__, item.error)
                 item.finished = True
                 item.wake.set()
+        return failed is None
 
     def _commit_together(self, batch: list[_Call]) -> bool:
         """The batch in one transaction without savepoints (two statements fewer per call);
@@ -203,6 +245,13 @@ def _answer_of(exc: Exception) -> Exception:
         mapped.__cause__ = exc
         return mapped
     return exc
+
+
+def _nothing() -> None:
+    """flush()'s marker call: answered once everything queued before it is committed."""
+
+
+_nothing.body = _nothing
 
 
 def _body(service: Callable) -> Callable:

@@ -45,10 +45,12 @@ def embedded_runtime(config: Config, *, grace: float = 5.0) -> WorkerRuntime:
         capacity=config.settings.worker_capacity,
         embedded=True,
     )
+    transport = InProcessTransport(worker_id=EMBEDDED_ID)
+    history = DatabaseHistory(committer=transport.committer)  # step rows ride the worker's own commits
     return WorkerRuntime(
-        transport=InProcessTransport(worker_id=EMBEDDED_ID),
+        transport=transport,
         spec=spec,
-        executor=Executor(config=config, worker_id=EMBEDDED_ID, history=DatabaseHistory(), groups=groups),
+        executor=Executor(config=config, worker_id=EMBEDDED_ID, history=history, groups=groups),
         claim_wait=min(1.0, config.settings.queue.heartbeat_interval / 2),
         grace=grace,
         exit_on_drain=False,  # an operator's drain pauses it; undrain resumes it; only the daemon stops it

@@ -26,22 +26,42 @@ _FINISHED = (
 )
 
 
+def _write(statement: str, params: tuple) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+
+
+_write.body = _write  # a call a GroupCommitter may batch (it runs inside the batch's transaction)
+
+
 class DatabaseHistory:
     """The embedded worker writes step history straight into the control
-    plane's database. StepRun rows are history, not queue state."""
+    plane's database. StepRun rows are history, not queue state.
+
+    With a `committer` (the embedded worker's transport's, jobqueue.groupcommit) each write is
+    deferred into the worker's next commit: a step's history costs no commit of its own, and
+    a step that starts while the worker commits anything else shows as running with it.
+    Without one, each write is a single autocommit statement."""
+
+    def __init__(self, committer=None):
+        self.committer = committer
+
+    def _send(self, statement: str, params: tuple) -> None:
+        if self.committer is None:
+            _write(statement, params)
+        else:
+            self.committer.defer(_write, statement=statement, params=params)
 
     def step_started(self, *, claim: Claim, worker_id: str, step_id: str, started_at: dt.datetime, log_path: str) -> None:
         instance_id = payload.read(claim).instance_id
-        with connection.cursor() as cursor:
-            cursor.execute(_STARTED, (
-                instance_id, claim.attempt_number, step_id, worker_id,
-                connection.ops.adapt_datetimefield_value(started_at), log_path,
-            ))  # fmt: skip
+        self._send(_STARTED, (
+            instance_id, claim.attempt_number, step_id, worker_id,
+            connection.ops.adapt_datetimefield_value(started_at), log_path,
+        ))  # fmt: skip
 
     def step_finished(self, *, claim: Claim, worker_id: str, step_id: str, result) -> None:
         instance_id = payload.read(claim).instance_id
-        with connection.cursor() as cursor:
-            cursor.execute(_FINISHED, (
-                result.status, connection.ops.adapt_datetimefield_value(result.ended_at), result.exit_code,
-                result.output_tail, instance_id, claim.attempt_number, step_id,
-            ))  # fmt: skip
+        self._send(_FINISHED, (
+            result.status, connection.ops.adapt_datetimefield_value(result.ended_at), result.exit_code,
+            result.output_tail, instance_id, claim.attempt_number, step_id,
+        ))  # fmt: skip
