@@ -32,8 +32,9 @@ import datetime as dt
 import re
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, Min, Sum
+from django.db.models import Min
 
+from .. import sql
 from ..clock import Clock
 from ..exceptions import InvalidRequest, Unavailable
 from ..models import LogChunk, LogStream
@@ -80,46 +81,71 @@ def _state(row: LogStream, *, stored: bool) -> LogState:
     return LogState(row.name, row.received, row.dropped, row.ended, stored)
 
 
-def _stream_of(fenced, attempt_id: int, name: str, now: dt.datetime) -> LogStream:
-    row = LogStream.objects.filter(attempt_id=attempt_id, name=name).first()
-    if row is not None:
-        return row
-    if LogStream.objects.filter(attempt_id=attempt_id).count() >= MAX_LOG_STREAMS_PER_ATTEMPT:
+# The hot path in plain SQL: a short step's whole log is usually one final append of one chunk.
+_STREAMS_OF_ATTEMPT = "SELECT id, name, received, dropped, ended FROM queue_logstream WHERE attempt_id = %s"
+_INSERT_STREAM = """
+INSERT INTO queue_logstream (attempt_id, job_id, name, received, dropped, ended, created_at, updated_at)
+VALUES (%s, %s, %s, 0, 0, %s, %s, %s) RETURNING id
+"""
+_LAST_CHUNK = "SELECT id, \"offset\", size, text FROM queue_logchunk WHERE stream_id = %s ORDER BY \"offset\" DESC LIMIT 1"
+_INSERT_CHUNK = "INSERT INTO queue_logchunk (stream_id, \"offset\", size, text) VALUES (%s, %s, %s, %s)"
+_EXTEND_CHUNK = "UPDATE queue_logchunk SET text = text || %s, size = size + %s WHERE id = %s"
+_MOVE_STREAM = """
+UPDATE queue_logstream SET received = %s, dropped = %s, ended = %s, updated_at = %s
+ WHERE id = %s AND received = %s AND ended = %s
+"""
+
+
+def _stream_of(cursor, fenced, attempt_id: int, name: str, now: dt.datetime) -> tuple[LogStream, int]:
+    """The attempt's stream `name` (begun now when new) and the bytes all its streams keep."""
+    cursor.execute(_STREAMS_OF_ATTEMPT, [attempt_id])
+    streams = [LogStream(id=pk, attempt_id=attempt_id, job_id=fenced.job_id, name=n, received=r, dropped=d, ended=bool(e))
+               for pk, n, r, d, e in cursor.fetchall()]  # fmt: skip
+    kept = sum(row.received - row.dropped for row in streams)
+    for row in streams:
+        if row.name == name:
+            return row, kept
+    if len(streams) >= MAX_LOG_STREAMS_PER_ATTEMPT:
         raise InvalidRequest(f"an attempt keeps at most {MAX_LOG_STREAMS_PER_ATTEMPT} log streams", field="stream")
-    if not LogStream.objects.filter(attempt_id=attempt_id).exists():
+    if not streams and fenced.number > LOG_ATTEMPTS_KEPT:
         # An attempt's first stream: the job keeps the logs of its last LOG_ATTEMPTS_KEPT attempts only.
         LogStream.objects.filter(
             job_id=fenced.job_id, attempt__number__lte=fenced.number - LOG_ATTEMPTS_KEPT
         ).delete()
     try:
         with transaction.atomic():
-            return LogStream.objects.create(
-                attempt_id=attempt_id, job_id=fenced.job_id, name=name, created_at=now, updated_at=now
-            )
+            pk = sql.one(cursor, _INSERT_STREAM, [attempt_id, fenced.job_id, name, False, sql.ts(now), sql.ts(now)])[0]
     except IntegrityError:  # the same stream begun by a concurrent call
         raise Unavailable(f"log stream {name!r} of attempt {attempt_id} was begun concurrently; send again") from None
+    return LogStream(id=pk, attempt_id=attempt_id, job_id=fenced.job_id, name=name, received=0, dropped=0, ended=False), kept
 
 
-def _append(row: LogStream, offset: int, data: bytes) -> tuple[int, int]:
+def _append(cursor, row: LogStream, offset: int, data: bytes) -> tuple[int, int]:
     """Store `data` at `offset` (== row.received, or beyond it: a skip); (received, dropped) after."""
     dropped = row.dropped
     if offset > row.received:  # the sender skipped text: what came before is no tail of the stream now
-        LogChunk.objects.filter(stream=row).delete()
+        LogChunk.objects.filter(stream_id=row.pk).delete()
         dropped = offset
-    last = LogChunk.objects.filter(stream=row).order_by("-offset").first()
+        last = None
+    elif row.received == 0:  # a stream's first text: it has no chunk yet
+        last = None
+    else:
+        last = sql.one(cursor, _LAST_CHUNK, [row.pk])
     text = data.decode("utf-8")
     # Extend the last row only while it is small: each extension rewrites it whole.
+    if last is not None:
+        last_id, last_offset, last_size, _ = last
     if (
-        last is not None and last.offset + last.size == offset and last.size < MERGE_BELOW
-        and last.size + len(data) <= MAX_LOG_CHUNK_BYTES
+        last is not None and last_offset + last_size == offset and last_size < MERGE_BELOW
+        and last_size + len(data) <= MAX_LOG_CHUNK_BYTES
     ):  # fmt: skip
-        LogChunk.objects.filter(pk=last.pk).update(text=last.text + text, size=last.size + len(data))
+        cursor.execute(_EXTEND_CHUNK, [text, len(data), last_id])
     else:
-        LogChunk.objects.create(stream=row, offset=offset, size=len(data), text=text)
+        cursor.execute(_INSERT_CHUNK, [row.pk, offset, len(data), text])
     received = offset + len(data)
     if received - dropped > MAX_LOG_STREAM_BYTES:  # keep the tail: whole rows, at most the cap
-        LogChunk.objects.filter(stream=row, offset__lt=received - MAX_LOG_STREAM_BYTES).delete()
-        first = LogChunk.objects.filter(stream=row).aggregate(first=Min("offset"))["first"]
+        LogChunk.objects.filter(stream_id=row.pk, offset__lt=received - MAX_LOG_STREAM_BYTES).delete()
+        first = LogChunk.objects.filter(stream_id=row.pk).aggregate(first=Min("offset"))["first"]
         dropped = received if first is None else first
     return received, dropped
 
@@ -141,44 +167,41 @@ def log_append(
     now = now_of(clock)
     with connection.cursor() as cursor:
         fenced = attempts.fenced_live(cursor, attempt_id, token, now, acting_as)
-    row = _stream_of(fenced, attempt_id, stream, now)
-    end = offset + len(data)
-    if end <= row.received:  # a resend of text already received (or an empty chunk within it)
-        if final and end == row.received and not row.ended:
-            _move(row, received=row.received, dropped=row.dropped, ended=True, now=now)
-            row.ended = True
-        return _state(row, stored=False)
-    if row.ended:
-        raise InvalidRequest(
-            f"stream {stream!r} of attempt {attempt_id} ended at {row.received} bytes; nothing follows its last chunk",
-            field="offset",
-        )
-    if offset < row.received:  # overlaps the end: only what lies beyond it is new
-        try:
-            data[row.received - offset :].decode("utf-8")
-        except UnicodeDecodeError:
+        row, kept = _stream_of(cursor, fenced, attempt_id, stream, now)
+        end = offset + len(data)
+        if end <= row.received:  # a resend of text already received (or an empty chunk within it)
+            if final and end == row.received and not row.ended:
+                _move(cursor, row, received=row.received, dropped=row.dropped, ended=True, now=now)
+                row.ended = True
+            return _state(row, stored=False)
+        if row.ended:
             raise InvalidRequest(
-                f"offset {offset} overlaps the stream's end ({row.received}) inside a character", field="offset"
-            ) from None
-        data, offset = data[row.received - offset :], row.received
-    kept = LogStream.objects.filter(attempt_id=attempt_id).aggregate(n=Sum(F("received") - F("dropped")))["n"] or 0
-    if kept + len(data) > MAX_LOG_BYTES_PER_ATTEMPT:
-        raise InvalidRequest(
-            f"attempt {attempt_id} keeps at most {MAX_LOG_BYTES_PER_ATTEMPT} bytes of logs over all its streams",
-            field="text",
-        )
-    received, dropped = _append(row, offset, data)
-    _move(row, received=received, dropped=dropped, ended=final, now=now)
+                f"stream {stream!r} of attempt {attempt_id} ended at {row.received} bytes; nothing follows its last chunk",
+                field="offset",
+            )
+        if offset < row.received:  # overlaps the end: only what lies beyond it is new
+            try:
+                data[row.received - offset :].decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidRequest(
+                    f"offset {offset} overlaps the stream's end ({row.received}) inside a character", field="offset"
+                ) from None
+            data, offset = data[row.received - offset :], row.received
+        if kept + len(data) > MAX_LOG_BYTES_PER_ATTEMPT:
+            raise InvalidRequest(
+                f"attempt {attempt_id} keeps at most {MAX_LOG_BYTES_PER_ATTEMPT} bytes of logs over all its streams",
+                field="text",
+            )
+        received, dropped = _append(cursor, row, offset, data)
+        _move(cursor, row, received=received, dropped=dropped, ended=final, now=now)
     row.received, row.dropped, row.ended = received, dropped, final
     return _state(row, stored=True)
 
 
-def _move(row: LogStream, *, received: int, dropped: int, ended: bool, now: dt.datetime) -> None:
+def _move(cursor, row: LogStream, *, received: int, dropped: int, ended: bool, now: dt.datetime) -> None:
     """The stream's compare-and-set: from the end this call read, or nothing (a concurrent append)."""
-    updated = LogStream.objects.filter(pk=row.pk, received=row.received, ended=row.ended).update(
-        received=received, dropped=dropped, ended=ended, updated_at=now
-    )
-    if updated != 1:
+    cursor.execute(_MOVE_STREAM, [received, dropped, ended, sql.ts(now), row.pk, row.received, row.ended])
+    if cursor.rowcount != 1:
         raise Unavailable(f"log stream {row.name!r} of attempt {row.attempt_id} was appended to concurrently; send again")
 
 
