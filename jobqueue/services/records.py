@@ -18,12 +18,13 @@ The rules, one compare-and-set each:
   that step starts from it), its value `{"content": …}`.
 """
 
+import contextlib
 import datetime as dt
 import re
 
 from django.db import IntegrityError, connection, transaction
 
-from .. import jsonlimits
+from .. import jsonlimits, sql
 from ..clock import Clock
 from ..exceptions import InvalidRequest
 from ..metrics import timed_heartbeat
@@ -40,7 +41,7 @@ from ..types import (
     Record,
 )
 from . import attempts
-from .common import now_of, service
+from .common import now_of, postgres, service
 
 MAX_KEY = MAX_RECORD_KEY
 MAX_VALUE_BYTES = MAX_RECORD_VALUE_BYTES
@@ -72,22 +73,34 @@ def key_kind(key: str) -> str:
     return key.partition(":")[0]
 
 
+_KEYS_OF_JOB = "SELECT COUNT(*), COUNT(CASE WHEN key = %s THEN 1 END) FROM queue_jobrecord WHERE job_id = %s"
+_INSERT_RECORD = """
+INSERT INTO queue_jobrecord (job_id, key, kind, state, value, attempt_number, started_by, updated_at)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s)
+"""
+
+
 def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Record:
     """The write itself, for a fenced attempt, in the caller's transaction."""
     number = fenced.number
-    existing = JobRecord.objects.filter(job_id=fenced.job_id, key=key).first()
-    if existing is None:
-        if JobRecord.objects.filter(job_id=fenced.job_id).count() >= MAX_RECORDS_PER_JOB:
+    with connection.cursor() as cursor:  # the journal's size and whether the key is in it, in one read
+        held, found = sql.one(cursor, _KEYS_OF_JOB, [key, fenced.job_id])
+    existing = None
+    if not found:
+        if held >= MAX_RECORDS_PER_JOB:
             raise InvalidRequest(f"a job's journal holds at most {MAX_RECORDS_PER_JOB} keys", field="key")
+        started_by = number if state == RecordState.STARTED else None
+        params = [fenced.job_id, key, key_kind(key), state, sql.js(value), number, started_by, sql.ts(now)]
         try:
-            with transaction.atomic():
-                row = JobRecord.objects.create(
-                    job_id=fenced.job_id, key=key, kind=key_kind(key), state=state, value=value, attempt_number=number,
-                    started_by=number if state == RecordState.STARTED else None, updated_at=now,
-                )  # fmt: skip
-            return _of(row)
+            # On PostgreSQL a concurrent write of the key can collide (its savepoint keeps the transaction);
+            # SQLite's write lock serialises them, and a failed statement there undoes only itself.
+            with transaction.atomic() if postgres() else contextlib.nullcontext(), connection.cursor() as cursor:
+                cursor.execute(_INSERT_RECORD, params)
+            return Record(key, state, value, number, started_by, False)
         except IntegrityError:  # another write of the same key came first: decide against it
-            existing = JobRecord.objects.get(job_id=fenced.job_id, key=key)
+            pass
+    if existing is None:
+        existing = JobRecord.objects.get(job_id=fenced.job_id, key=key)
     if existing.state == RecordState.DONE:
         return _of(existing, already_done=True)
     # The first attempt that started it stays `started_by`: a resent write of a later attempt still
