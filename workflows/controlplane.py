@@ -46,6 +46,10 @@ class _Poll:
     error: str | None = None
 
 
+def _preview(key: str) -> str:
+    return key[:KEY_PREVIEW] + ("…" if len(key) > KEY_PREVIEW else "")
+
+
 class ControlPlane:
     def __init__(self, *, config: Config, clock: Clock | None = None, reap_interval: float = 1.0):
         self.config = config
@@ -138,23 +142,41 @@ class ControlPlane:
         return created
 
     def _dispatch(self, source_id: str, items: list[sources.Item]) -> int:
-        """Task and jobs for each item. An item the database cannot take is
-        logged and skipped; the others go on (it is tried again next poll)."""
+        """Tasks and jobs for the items, a batch per transaction (services.items_dispatch).
+        A batch the database cannot take is tried again item by item, so one bad item
+        is logged and skipped and the others go on (it is tried again next poll)."""
+        source = self.config.sources[source_id]
+        storable = [item for item in items if self._storable(source_id, item)]
+        created = 0
+        for start in range(0, len(storable), services.BATCH):
+            batch = storable[start : start + services.BATCH]
+            try:
+                created += len(services.items_dispatch(config=self.config, source=source, items=batch, clock=self.clock))
+            except (DatabaseError, ValueError) as exc:
+                log.info("source %s: a batch of %d items failed (%s); dispatching them one by one", source_id, len(batch), exc)
+                created += self._dispatch_each(source_id, batch)
+        return created
+
+    def _storable(self, source_id: str, item: sources.Item) -> bool:
+        if len(item.key) <= ITEM_KEY_MAX:
+            return True
+        log.warning(
+            "source %s: skipping item %r: its id is %d characters, a task key holds at most %d",
+            source_id, _preview(item.key), len(item.key), ITEM_KEY_MAX,
+        )  # fmt: skip
+        return False
+
+    def _dispatch_each(self, source_id: str, items: list[sources.Item]) -> int:
+        """Task and jobs for each item, a transaction each; an item the database cannot take
+        is logged and skipped."""
         source = self.config.sources[source_id]
         created = 0
         for item in items:
-            preview = item.key[:KEY_PREVIEW] + ("…" if len(item.key) > KEY_PREVIEW else "")
-            if len(item.key) > ITEM_KEY_MAX:
-                log.warning(
-                    "source %s: skipping item %r: its id is %d characters, a task key holds at most %d",
-                    source_id, preview, len(item.key), ITEM_KEY_MAX,
-                )
-                continue
             try:
                 task, _ = services.task_sync(source=source, item=item, clock=self.clock)
                 created += len(services.dispatch(config=self.config, task=task, workflows=source.workflows, clock=self.clock))
             except (DatabaseError, ValueError) as exc:
-                log.error("source %s: skipping item %r: cannot store it: %s", source_id, preview, exc)
+                log.error("source %s: skipping item %r: cannot store it: %s", source_id, _preview(item.key), exc)
         return created
 
     def reap(self) -> int:

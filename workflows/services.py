@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import uuid
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 
 from jobqueue import services as queue
 from jobqueue.clock import Clock, get_clock
@@ -45,6 +45,12 @@ RUNNER_CAPABILITY = "runner:{adapter}"
 log = logging.getLogger("apiary.dispatch")
 
 
+def task_fields(item: Item) -> dict:
+    """What a task takes from its item besides its key and hash, as both backends store it:
+    NUL (refused by PostgreSQL) and lone surrogates (not UTF-8) become U+FFFD."""
+    return {"title": clean(item.title), "body": clean(item.body), "payload": clean(item.payload)}
+
+
 @transaction.atomic(durable=True)
 def task_sync(*, source: SourceConfig, item: Item, clock: Clock | None = None) -> tuple[Task, bool]:
     """Create or update the task for `item`; returns (task, new_generation).
@@ -54,9 +60,7 @@ def task_sync(*, source: SourceConfig, item: Item, clock: Clock | None = None) -
     `redispatch_on_change: true` — otherwise its text is refreshed in place.
     """
     now = (clock or get_clock()).now()
-    # NUL (refused by PostgreSQL) and lone surrogates (not UTF-8) become U+FFFD, on every backend alike.
-    key = clean(item.key)
-    fields = {"title": clean(item.title), "body": clean(item.body), "payload": clean(item.payload)}
+    key, fields = clean(item.key), task_fields(item)
     task = Task.objects.filter(source=source.id, item_key=key).first()
     if task is None:
         task = Task.objects.create(
@@ -64,11 +68,16 @@ def task_sync(*, source: SourceConfig, item: Item, clock: Clock | None = None) -
             created_at=now, updated_at=now, **fields,
         )
         return task, True
+    return _task_refresh(task, source=source, item=item, fields=fields, now=now)
+
+
+def _task_refresh(task: Task, *, source: SourceConfig, item: Item, fields: dict, now) -> tuple[Task, bool]:
+    """task_sync of an item whose task exists: unchanged, refreshed in place, or a new generation."""
     if task.content_hash == item.content_hash:
         return task, False
     redispatch = source.type == "command" or source.redispatch_on_change
     if redispatch:
-        fields["generation"] = task.generation + 1
+        fields = {**fields, "generation": task.generation + 1}
     Task.objects.filter(pk=task.pk).update(content_hash=item.content_hash, updated_at=now, **fields)
     task.refresh_from_db()
     return task, redispatch
@@ -131,15 +140,24 @@ def instance_dispatch_in(
     if existing is not None:
         return existing, existing.job, False
     now = (clock or get_clock()).now()
-    agent: AgentConfig = config.agents[workflow.agent]
     try:
         with transaction.atomic():
             instance = WorkflowInstance.objects.create(created_at=now, parent=parent, **lookup)
     except IntegrityError:  # dispatched concurrently (PostgreSQL): the other one's instance and job stand
         existing = WorkflowInstance.objects.select_related("job").get(**lookup)
         return existing, existing.job, False
+    job, _ = queue.job_enqueue_in(**job_spec(config=config, task=task, workflow=workflow, instance=instance), clock=clock)
+    WorkflowInstance.objects.filter(pk=instance.pk).update(job=job)
+    instance.job = job
+    return instance, job, True
+
+
+def job_spec(*, config: Config, task: Task, workflow: WorkflowConfig, instance: WorkflowInstance) -> dict:
+    """The job of a new instance, as job_enqueue_in's keyword arguments: the payload, the agent's
+    routing and the workflow's retry policy, and its hooks as follow-ups."""
+    agent: AgentConfig = config.agents[workflow.agent]
     key = enqueue_key(task, workflow.id)
-    parent_id = parent.pk if parent is not None else None
+    parent_id = instance.parent_id
     # The instance's job and its hook jobs run under the agent's routing, with the same limits.
     routing = {
         "project": config.project,
@@ -156,21 +174,18 @@ def instance_dispatch_in(
         "max_attempts": config.settings.queue.max_attempts,
     }
     effects = [EFFECTS_CAPABILITY] if any(step.publish or step.spawn for step in workflow.steps) else []
-    job, _ = queue.job_enqueue_in(
-        key=key,
-        payload=payload.payload_of(
+    return {
+        "key": key,
+        "payload": payload.payload_of(
             workflow=workflow.id, instance_id=instance.pk, task=task, parent_instance_id=parent_id
         ),
-        retry=workflow.retry,
-        follow_ups=_hook_follow_ups(
+        "retry": workflow.retry,
+        "follow_ups": _hook_follow_ups(
             key=key, workflow=workflow, instance=instance, task=task, routing=routing, parent_instance_id=parent_id
         ),
-        clock=clock,
-        **{**routing, "capabilities": [*routing["capabilities"], *effects]},
-    )
-    WorkflowInstance.objects.filter(pk=instance.pk).update(job=job)
-    instance.job = job
-    return instance, job, True
+        **routing,
+        "capabilities": [*routing["capabilities"], *effects],
+    }
 
 
 def _hook_follow_ups(
@@ -213,9 +228,85 @@ def dispatch(*, config: Config, task: Task, workflows: tuple[str, ...], clock: C
             config=config, task=task, workflow=config.workflows[workflow_id], clock=clock
         )
         if is_new:
-            log.info(
-                "dispatch: job %s instance %s workflow %s task %s (%s:%s generation %s)",
-                job.pk, instance.pk, workflow_id, task.pk, task.source, task.item_key, task.generation,
-            )
+            _log_dispatch(instance, job, task)
             created.append(job)
     return created
+
+
+def _log_dispatch(instance: WorkflowInstance, job: Job, task: Task) -> None:
+    log.info(
+        "dispatch: job %s instance %s workflow %s task %s (%s:%s generation %s)",
+        job.pk, instance.pk, instance.workflow, task.pk, task.source, task.item_key, task.generation,
+    )
+
+
+# Items per items_dispatch transaction: long enough to pay its commit once for many items,
+# short enough that the write lock it holds on SQLite never keeps a claim or a finish waiting long.
+BATCH = 500
+
+
+def items_dispatch(*, config: Config, source: SourceConfig, items: list[Item], clock: Clock | None = None) -> list[Job]:
+    """task_sync and dispatch of every item of `items` (BATCH or so; unique keys), all in
+    one transaction: their tasks, and for each task's current generation the instances it
+    lacks and their jobs, read and written a statement per kind for them all (no query per
+    item). A changed item refreshes or advances its task as task_sync does. Returns the
+    jobs created. Anything that fails rolls the whole batch back: nothing of it is written,
+    and the caller can try its items one by one."""
+    now = (clock or get_clock()).now()
+    with transaction.atomic(durable=True):
+        tasks = _tasks_sync(source=source, items=items, now=now)
+        made = _instances_dispatch(config=config, tasks=tasks, workflows=source.workflows, now=now, clock=clock)
+    for instance, job in made:
+        _log_dispatch(instance, job, instance.task)
+    return [job for _, job in made]
+
+
+def _tasks_sync(*, source: SourceConfig, items: list[Item], now) -> list[Task]:
+    """The task of each item (task_sync's, for many): one read for those that exist, one insert for the new."""
+    keyed = [(clean(item.key), item) for item in items]
+    known = {t.item_key: t for t in Task.objects.filter(source=source.id, item_key__in=[key for key, _ in keyed])}
+    tasks, new = [], []
+    for key, item in keyed:
+        fields = task_fields(item)
+        task = known.get(key)
+        if task is None:
+            task = Task(
+                source=source.id, item_key=key, generation=1, content_hash=item.content_hash,
+                created_at=now, updated_at=now, **fields,
+            )  # fmt: skip
+            new.append(task)
+        else:
+            task, _ = _task_refresh(task, source=source, item=item, fields=fields, now=now)
+        tasks.append(task)
+    Task.objects.bulk_create(new)  # sets their ids (RETURNING, on both backends)
+    return tasks
+
+
+def _instances_dispatch(
+    *, config: Config, tasks: list[Task], workflows: tuple[str, ...], now, clock: Clock | None
+) -> list[tuple[WorkflowInstance, Job]]:
+    """dispatch's for many tasks: one read of the instances they have, one insert of those they lack,
+    their jobs in jobs_enqueue_in (dedup by enqueue key, one wake per job class), one update linking them."""
+    have = set(
+        WorkflowInstance.objects.filter(task__in=[t.pk for t in tasks]).values_list("task_id", "generation", "workflow")
+    )
+    instances = WorkflowInstance.objects.bulk_create(
+        WorkflowInstance(task=task, generation=task.generation, workflow=workflow_id, created_at=now)
+        for task in tasks
+        for workflow_id in workflows
+        if (task.pk, task.generation, workflow_id) not in have
+    )
+    if not instances:
+        return []
+    specs = [
+        job_spec(config=config, task=i.task, workflow=config.workflows[i.workflow], instance=i) for i in instances
+    ]
+    for instance, (job, _) in zip(instances, queue.jobs_enqueue_in(specs, clock=clock), strict=True):
+        instance.job = job
+    # One statement run for every pair: bulk_update's CASE costs the ORM more than the batch's own inserts.
+    with connection.cursor() as cursor:
+        cursor.executemany(_LINK_JOB, [(instance.job.pk, instance.pk) for instance in instances])
+    return [(instance, instance.job) for instance in instances]
+
+
+_LINK_JOB = f"UPDATE {WorkflowInstance._meta.db_table} SET job_id = %s WHERE id = %s"
