@@ -139,10 +139,19 @@ def _enqueue(rows: list[_Row], now: dt.datetime) -> list[tuple[Job, bool]]:
                 results.append((created.get(row.key) or existing[row.key], False))
                 continue
             job = created[row.key] = row.job(*inserted[row.key])
-            event(cursor, job_id=job.pk, kind="enqueued", at=now)
             results.append((job, True))
+        _enqueued_events(cursor, list(created.values()), now)
         _wake(cursor, [(job, row) for (job, new), row in zip(results, rows, strict=True) if new])
     return results
+
+
+def _enqueued_events(cursor, jobs: list[Job], now: dt.datetime) -> None:
+    """The `enqueued` event of each job created: common.event's row; for many, one executemany of it."""
+    if len(jobs) == 1:
+        event(cursor, job_id=jobs[0].pk, kind="enqueued", at=now)
+    elif jobs:
+        at, detail = sql.ts(now), sql.js({})
+        cursor.executemany(sql.INSERT_EVENT, [(job.pk, "enqueued", at, None, None, detail) for job in jobs])
 
 
 def _wake(cursor, created: list[tuple[Job, _Row]]) -> None:
