@@ -75,7 +75,7 @@ def test_an_item_whose_sync_raises_is_logged_and_skipped(tmp_path, caplog, monke
     publish(tmp_path, {"id": "a"}, {"id": "poison"}, {"id": "c"})
     real_fields = services.task_fields
 
-    def task_fields(item):  # what the batch and task_sync both take from each item
+    def task_fields(item):  # what dispatch takes from each item, in a batch and item by item alike
         if item.key == "poison":  # stands in for what the database refuses of one row
             raise DataError("value too long for type character varying(1024)")
         return real_fields(item)

@@ -45,44 +45,6 @@ RUNNER_CAPABILITY = "runner:{adapter}"
 log = logging.getLogger("apiary.dispatch")
 
 
-def task_fields(item: Item) -> dict:
-    """What a task takes from its item besides its key and hash, as both backends store it:
-    NUL (refused by PostgreSQL) and lone surrogates (not UTF-8) become U+FFFD."""
-    return {"title": clean(item.title), "body": clean(item.body), "payload": clean(item.payload)}
-
-
-@transaction.atomic(durable=True)
-def task_sync(*, source: SourceConfig, item: Item, clock: Clock | None = None) -> tuple[Task, bool]:
-    """Create or update the task for `item`; returns (task, new_generation).
-
-    A command source's item starts a new generation whenever its content
-    (including `updated_at`) changes; a directory item only with
-    `redispatch_on_change: true` — otherwise its text is refreshed in place.
-    """
-    now = (clock or get_clock()).now()
-    key, fields = clean(item.key), task_fields(item)
-    task = Task.objects.filter(source=source.id, item_key=key).first()
-    if task is None:
-        task = Task.objects.create(
-            source=source.id, item_key=key, generation=1, content_hash=item.content_hash,
-            created_at=now, updated_at=now, **fields,
-        )
-        return task, True
-    return _task_refresh(task, source=source, item=item, fields=fields, now=now)
-
-
-def _task_refresh(task: Task, *, source: SourceConfig, item: Item, fields: dict, now) -> tuple[Task, bool]:
-    """task_sync of an item whose task exists: unchanged, refreshed in place, or a new generation."""
-    if task.content_hash == item.content_hash:
-        return task, False
-    redispatch = source.type == "command" or source.redispatch_on_change
-    if redispatch:
-        fields = {**fields, "generation": task.generation + 1}
-    Task.objects.filter(pk=task.pk).update(content_hash=item.content_hash, updated_at=now, **fields)
-    task.refresh_from_db()
-    return task, redispatch
-
-
 def task_add(*, source: str, title: str, body: str = "", payload: dict | None = None, clock: Clock | None = None) -> Task:
     """A task created by hand (`apiary task add`)."""
     now = (clock or get_clock()).now()
@@ -246,12 +208,13 @@ BATCH = 500
 
 
 def items_dispatch(*, config: Config, source: SourceConfig, items: list[Item], clock: Clock | None = None) -> list[Job]:
-    """task_sync and dispatch of every item of `items` (BATCH or so; unique keys), all in
-    one transaction: their tasks, and for each task's current generation the instances it
-    lacks and their jobs, read and written a statement per kind for them all (no query per
-    item). A changed item refreshes or advances its task as task_sync does. Returns the
-    jobs created. Anything that fails rolls the whole batch back: nothing of it is written,
-    and the caller can try its items one by one."""
+    """The tasks of a source's items (BATCH or so, unique keys) and, per workflow of the
+    source, the instance and job of each task's current generation that it lacks, all in
+    one transaction; returns the jobs created. A new item is a new task; a changed one is
+    refreshed in place or starts a new generation (_task_refresh); an unchanged one whose
+    instances exist creates nothing. Each kind of row is read and written once for the
+    whole batch, never per item. Anything that fails rolls the whole batch back: nothing
+    of it is written, and the caller can try its items one by one."""
     now = (clock or get_clock()).now()
     with transaction.atomic(durable=True):
         tasks = _tasks_sync(source=source, items=items, now=now)
@@ -262,7 +225,7 @@ def items_dispatch(*, config: Config, source: SourceConfig, items: list[Item], c
 
 
 def _tasks_sync(*, source: SourceConfig, items: list[Item], now) -> list[Task]:
-    """The task of each item (task_sync's, for many): one read for those that exist, one insert for the new."""
+    """The task of each item, in order: one read of those that exist, one insert of the new."""
     keyed = [(clean(item.key), item) for item in items]
     known = {t.item_key: t for t in Task.objects.filter(source=source.id, item_key__in=[key for key, _ in keyed])}
     tasks, new = [], []
@@ -276,16 +239,37 @@ def _tasks_sync(*, source: SourceConfig, items: list[Item], now) -> list[Task]:
             )  # fmt: skip
             new.append(task)
         else:
-            task, _ = _task_refresh(task, source=source, item=item, fields=fields, now=now)
+            task = _task_refresh(task, source=source, item=item, fields=fields, now=now)
         tasks.append(task)
     Task.objects.bulk_create(new)  # sets their ids (RETURNING, on both backends)
     return tasks
 
 
+def task_fields(item: Item) -> dict:
+    """What a task takes from its item besides its key and hash, as both backends store it:
+    NUL (refused by PostgreSQL) and lone surrogates (not UTF-8) become U+FFFD."""
+    return {"title": clean(item.title), "body": clean(item.body), "payload": clean(item.payload)}
+
+
+def _task_refresh(task: Task, *, source: SourceConfig, item: Item, fields: dict, now) -> Task:
+    """The task of an item it had before: unchanged, refreshed in place, or on a new generation.
+
+    A command source's item starts a new generation whenever its content
+    (including `updated_at`) changes; a directory item only with
+    `redispatch_on_change: true` — otherwise its text is refreshed in place."""
+    if task.content_hash == item.content_hash:
+        return task
+    if source.type == "command" or source.redispatch_on_change:
+        fields = {**fields, "generation": task.generation + 1}
+    Task.objects.filter(pk=task.pk).update(content_hash=item.content_hash, updated_at=now, **fields)
+    task.refresh_from_db()
+    return task
+
+
 def _instances_dispatch(
     *, config: Config, tasks: list[Task], workflows: tuple[str, ...], now, clock: Clock | None
 ) -> list[tuple[WorkflowInstance, Job]]:
-    """dispatch's for many tasks: one read of the instances they have, one insert of those they lack,
+    """dispatch of many tasks: one read of the instances they have, one insert of those they lack,
     their jobs in jobs_enqueue_in (dedup by enqueue key, one wake per job class), one update linking them."""
     have = set(
         WorkflowInstance.objects.filter(task__in=[t.pk for t in tasks]).values_list("task_id", "generation", "workflow")
