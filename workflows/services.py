@@ -18,14 +18,14 @@ import dataclasses
 import logging
 import uuid
 
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 
 from jobqueue import services as queue
 from jobqueue.clock import Clock, get_clock
 from jobqueue.models import Job
 from jobqueue.text import clean
 
-from . import payload
+from . import bulk, payload
 from .config import AgentConfig, Config, SourceConfig, WorkflowConfig
 from .models import Task, WorkflowInstance
 from .sources import Item
@@ -108,13 +108,13 @@ def instance_dispatch_in(
     except IntegrityError:  # dispatched concurrently (PostgreSQL): the other one's instance and job stand
         existing = WorkflowInstance.objects.select_related("job").get(**lookup)
         return existing, existing.job, False
-    job, _ = queue.job_enqueue_in(**job_spec(config=config, task=task, workflow=workflow, instance=instance), clock=clock)
+    job, _ = queue.job_enqueue_in(**_job_spec(config=config, task=task, workflow=workflow, instance=instance), clock=clock)
     WorkflowInstance.objects.filter(pk=instance.pk).update(job=job)
     instance.job = job
     return instance, job, True
 
 
-def job_spec(*, config: Config, task: Task, workflow: WorkflowConfig, instance: WorkflowInstance) -> dict:
+def _job_spec(*, config: Config, task: Task, workflow: WorkflowConfig, instance: WorkflowInstance) -> dict:
     """The job of a new instance, as job_enqueue_in's keyword arguments: the payload, the agent's
     routing and the workflow's retry policy, and its hooks as follow-ups."""
     agent: AgentConfig = config.agents[workflow.agent]
@@ -215,6 +215,8 @@ def items_dispatch(*, config: Config, source: SourceConfig, items: list[Item], c
     instances exist creates nothing. Each kind of row is read and written once for the
     whole batch, never per item. Anything that fails rolls the whole batch back: nothing
     of it is written, and the caller can try its items one by one."""
+    if _nothing_new(source=source, items=items):
+        return []
     now = (clock or get_clock()).now()
     with transaction.atomic(durable=True):
         tasks = _tasks_sync(source=source, items=items, now=now)
@@ -222,6 +224,26 @@ def items_dispatch(*, config: Config, source: SourceConfig, items: list[Item], c
     for instance, job in made:
         _log_dispatch(instance, job, instance.task)
     return [job for _, job in made]
+
+
+def _nothing_new(*, source: SourceConfig, items: list[Item]) -> bool:
+    """Whether every item has its task, unchanged, with the instances of its current generation:
+    what a poll of an unchanged source finds, told by two plain reads without the write lock."""
+    keys = [clean(item.key) for item in items]
+    known = {
+        key: (pk, generation, content_hash)
+        for key, pk, generation, content_hash in Task.objects.filter(source=source.id, item_key__in=keys).values_list(
+            "item_key", "pk", "generation", "content_hash"
+        )
+    }
+    if len(known) < len(keys) or any(known[key][2] != item.content_hash for key, item in zip(keys, items, strict=True)):
+        return False
+    have = set(
+        WorkflowInstance.objects.filter(task__in=[pk for pk, _, _ in known.values()]).values_list(
+            "task_id", "generation", "workflow"
+        )
+    )
+    return all((pk, generation, w) in have for pk, generation, _ in known.values() for w in source.workflows)
 
 
 def _tasks_sync(*, source: SourceConfig, items: list[Item], now) -> list[Task]:
@@ -241,7 +263,7 @@ def _tasks_sync(*, source: SourceConfig, items: list[Item], now) -> list[Task]:
         else:
             task = _task_refresh(task, source=source, item=item, fields=fields, now=now)
         tasks.append(task)
-    Task.objects.bulk_create(new)  # sets their ids (RETURNING, on both backends)
+    bulk.insert_tasks(new)
     return tasks
 
 
@@ -261,8 +283,10 @@ def _task_refresh(task: Task, *, source: SourceConfig, item: Item, fields: dict,
         return task
     if source.type == "command" or source.redispatch_on_change:
         fields = {**fields, "generation": task.generation + 1}
-    Task.objects.filter(pk=task.pk).update(content_hash=item.content_hash, updated_at=now, **fields)
-    task.refresh_from_db()
+    fields |= {"content_hash": item.content_hash, "updated_at": now}
+    Task.objects.filter(pk=task.pk).update(**fields)
+    for name, value in fields.items():
+        setattr(task, name, value)
     return task
 
 
@@ -274,23 +298,19 @@ def _instances_dispatch(
     have = set(
         WorkflowInstance.objects.filter(task__in=[t.pk for t in tasks]).values_list("task_id", "generation", "workflow")
     )
-    instances = WorkflowInstance.objects.bulk_create(
+    instances = [
         WorkflowInstance(task=task, generation=task.generation, workflow=workflow_id, created_at=now)
         for task in tasks
         for workflow_id in workflows
         if (task.pk, task.generation, workflow_id) not in have
-    )
+    ]
     if not instances:
         return []
+    bulk.insert_instances(instances)
     specs = [
-        job_spec(config=config, task=i.task, workflow=config.workflows[i.workflow], instance=i) for i in instances
+        _job_spec(config=config, task=i.task, workflow=config.workflows[i.workflow], instance=i) for i in instances
     ]
     for instance, (job, _) in zip(instances, queue.jobs_enqueue_in(specs, clock=clock), strict=True):
         instance.job = job
-    # One statement run for every pair: bulk_update's CASE costs the ORM more than the batch's own inserts.
-    with connection.cursor() as cursor:
-        cursor.executemany(_LINK_JOB, [(instance.job.pk, instance.pk) for instance in instances])
+    bulk.link_jobs(instances)
     return [(instance, instance.job) for instance in instances]
-
-
-_LINK_JOB = f"UPDATE {WorkflowInstance._meta.db_table} SET job_id = %s WHERE id = %s"
