@@ -38,24 +38,24 @@ class _Row:
 
     def params(self) -> list:
         c = self.columns
-        return [_ADAPT[name](c[name]) if name in _ADAPT else c[name] for name in sql.JOB_INSERT_COLUMNS] + [self.digest]
+        return [_json(c[name]) if name in _JSON else c[name] for name in sql.JOB_INSERT_COLUMNS] + [self.digest]
 
-    def job(self, pk: int, requirements_id: int) -> Job:
+    def job(self, pk: int, requirements_id: int, now: dt.datetime) -> Job:
         """The Job as the insert wrote it, without reading it back."""
-        job = Job(
-            id=pk, requirements_id=requirements_id, state=JobState.QUEUED, attempt_count=0, retried_through=0,
-            summary={}, reason="", **self.columns,
-        )  # fmt: skip
-        job._state.adding, job._state.db = False, connection.alias  # what a row read from the database has
-        return job
+        fields = {**_NEW_JOB, **self.columns, "id": pk, "requirements_id": requirements_id, "available_at": now,
+                  "created_at": now}  # fmt: skip
+        return Job.from_db(connection.alias, _JOB_FIELDS, [fields[name] for name in _JOB_FIELDS])
+
+
+_JSON = frozenset({"payload", "follow_ups"})  # stored as JSON text
+# Every column of a new job that an enqueue does not set, as the insert writes it.
+_NEW_JOB = {"state": JobState.QUEUED, "attempt_count": 0, "retried_through": 0, "summary": {}, "reason": "",
+            "cancel_requested_at": None, "current_attempt_id": None, "finished_at": None}  # fmt: skip
+_JOB_FIELDS = [field.attname for field in Job._meta.concrete_fields]
 
 
 def _json(value) -> str:
     return json.dumps(value, separators=(",", ":"))
-
-
-# Columns the backend takes in another form than the model's: JSON as text, datetimes as it stores them.
-_ADAPT = {"payload": _json, "follow_ups": _json, "available_at": sql.ts, "created_at": sql.ts}
 
 
 def _row(
@@ -74,7 +74,6 @@ def _row(
     max_attempts: int | None = None,
     retry: Retry | None = None,
     follow_ups: Mapping[str, list[dict]] | None = None,
-    now: dt.datetime,
 ) -> _Row:
     """One job's spec checked and in the form it is stored; InvalidRequest naming what is wrong."""
     if not isinstance(payload, dict):
@@ -87,9 +86,9 @@ def _row(
     columns = {
         "key": key, "payload": clean(payload), "project": project, "source": source, "agent": agent,
         "runner": runner, "pool": pool, "affinity_key": affinity_key, "priority": priority,
-        "available_at": now, "max_attempts": max_attempts or conf.current().max_attempts,
-        "retry_max_attempts": retry.max_attempts, "retry_backoff": retry.backoff,
-        "retry_backoff_max": retry.backoff_max, "follow_ups": checked_follow_ups(follow_ups), "created_at": now,
+        "max_attempts": max_attempts or conf.current().max_attempts, "retry_max_attempts": retry.max_attempts,
+        "retry_backoff": retry.backoff, "retry_backoff_max": retry.backoff_max,
+        "follow_ups": checked_follow_ups(follow_ups),
     }  # fmt: skip
     digest = RequirementSet.digest_of(pool, labels, capabilities, (project, source, agent, runner))
     return _Row(columns=columns, labels=labels, capabilities=capabilities, digest=digest)
@@ -108,11 +107,14 @@ def _requirement_set(row: _Row) -> None:
         pass
 
 
-def _insert(cursor, rows: list[_Row]) -> dict[str, tuple[int, int]]:
-    """Insert what is new of `rows`; {key: (job id, requirement set id)} of the jobs inserted."""
+def _insert(cursor, rows: list[_Row], now: dt.datetime) -> dict[str, tuple[int, int]]:
+    """Insert what is new of `rows` (and, on PostgreSQL, their events); {key: (job id, requirement set id)}
+    of the jobs inserted."""
     if not rows:
         return {}
-    cursor.execute(sql.insert_jobs(len(rows), postgres()), [p for row in rows for p in row.params()])
+    at = sql.ts(now)
+    params = [p for row in rows for p in row.params()] + [at, at] + ([at] if postgres() else [])
+    cursor.execute(sql.insert_jobs(len(rows), postgres()), params)
     return {key: (pk, requirements_id) for pk, key, requirements_id in cursor.fetchall()}
 
 
@@ -123,14 +125,14 @@ def _existing(keys: list[str]) -> dict[str, Job]:
 def _enqueue(rows: list[_Row], now: dt.datetime) -> list[tuple[Job, bool]]:
     """Insert `rows` (at most INSERT_CHUNK) in the caller's transaction; (job, created) per row, in order."""
     with connection.cursor() as cursor:
-        inserted = _insert(cursor, rows)
+        inserted = _insert(cursor, rows, now)
         existing = _existing([row.key for row in rows if row.key not in inserted])
         # Neither inserted nor there: the row's class is new. Create it, then insert those again.
         orphans = [row for row in rows if row.key not in inserted and row.key not in existing]
         if orphans:
             for row in {row.digest: row for row in orphans}.values():
                 _requirement_set(row)
-            inserted |= _insert(cursor, orphans)
+            inserted |= _insert(cursor, orphans, now)
             # PostgreSQL: a key that still did not insert was enqueued by another transaction meanwhile.
             existing |= _existing([row.key for row in orphans if row.key not in inserted])
         results, created = [], {}
@@ -138,15 +140,16 @@ def _enqueue(rows: list[_Row], now: dt.datetime) -> list[tuple[Job, bool]]:
             if row.key in created or row.key not in inserted:  # an existing key, or one earlier in `rows`
                 results.append((created.get(row.key) or existing[row.key], False))
                 continue
-            job = created[row.key] = row.job(*inserted[row.key])
+            job = created[row.key] = row.job(*inserted[row.key], now)
             results.append((job, True))
-        _enqueued_events(cursor, list(created.values()), now)
+        if not postgres():  # PostgreSQL's insert wrote them
+            _enqueued_events(cursor, list(created.values()), now)
         _wake(cursor, [(job, row) for (job, new), row in zip(results, rows, strict=True) if new])
     return results
 
 
 def _enqueued_events(cursor, jobs: list[Job], now: dt.datetime) -> None:
-    """The `enqueued` event of each job created: common.event's row; for many, one executemany of it."""
+    """SQLite: the `enqueued` event of each job created: common.event's row; for many, one executemany of it."""
     if len(jobs) == 1:
         event(cursor, job_id=jobs[0].pk, kind="enqueued", at=now)
     elif jobs:
@@ -195,7 +198,7 @@ def job_enqueue_in(*, clock: Clock | None = None, **spec) -> tuple[Job, bool]:
     enqueued in the transaction that settles this job in that state."""
     _in_transaction("job_enqueue_in")
     now = now_of(clock)
-    return _enqueue([_row(**spec, now=now)], now)[0]
+    return _enqueue([_row(**spec)], now)[0]
 
 
 def jobs_enqueue_in(specs: Sequence[Mapping], *, clock: Clock | None = None) -> list[tuple[Job, bool]]:
@@ -206,7 +209,7 @@ def jobs_enqueue_in(specs: Sequence[Mapping], *, clock: Clock | None = None) -> 
     INSERT_CHUNK jobs, and one wake per job class for all of its new jobs."""
     _in_transaction("jobs_enqueue_in")
     now = now_of(clock)
-    rows = [_row(**spec, now=now) for spec in specs]
+    rows = [_row(**spec) for spec in specs]
     return [result for i in range(0, len(rows), INSERT_CHUNK) for result in _enqueue(rows[i : i + INSERT_CHUNK], now)]
 
 
