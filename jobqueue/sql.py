@@ -119,6 +119,53 @@ INSERT_EVENT = """
 INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VALUES (%s, %s, %s, %s, %s, %s)
 """
 
+# --------------------------------------------------------------------------- enqueue
+
+# What an enqueue sets per job (jobs.job_enqueue_in); the other columns start as every new job's.
+JOB_INSERT_COLUMNS = (
+    "key", "payload", "project", "source", "agent", "runner", "pool", "affinity_key", "priority", "max_attempts",
+    "retry_max_attempts", "retry_backoff", "retry_backoff_max", "follow_ups",
+)  # fmt: skip
+_JSON_COLUMNS = frozenset({"payload", "follow_ups"})
+
+
+@functools.lru_cache(maxsize=64)
+def insert_jobs(rows: int, postgres: bool) -> str:
+    """Insert `rows` jobs, each with its requirement set found by digest in the
+    same statement; answers (id, key, requirements_id) of each job inserted.
+    Parameters: per row JOB_INSERT_COLUMNS and the digest; then `now` (available_at,
+    created_at), and on PostgreSQL `now` again: there the same statement writes each
+    inserted job's `enqueued` event too (one round trip fewer; SQLite has no
+    data-modifying WITH). A key already in the queue inserts nothing (its dedup), and
+    so does a row whose requirement set does not exist yet: the caller creates the set
+    and inserts that row again. PostgreSQL types a VALUES list's text as text, so JSON
+    cells are cast."""
+    cells = ", ".join("CAST(%s AS jsonb)" if postgres and c in _JSON_COLUMNS else "%s" for c in JOB_INSERT_COLUMNS)
+    names = ", ".join(JOB_INSERT_COLUMNS)
+    empty = "CAST('{}' AS jsonb)" if postgres else "'{}'"
+    insert = (
+        f"INSERT INTO queue_job ({names}, requirements_id, available_at, created_at, state, attempt_count,"
+        " retried_through, summary, reason)"
+        f" SELECT {', '.join('v.' + c for c in JOB_INSERT_COLUMNS)}, r.id, %s, %s, 'queued', 0, 0, {empty}, ''"
+        " FROM v JOIN queue_requirementset r ON r.digest = v.digest"
+        " WHERE true ON CONFLICT (key) DO NOTHING"  # SQLite: an upsert after a join needs a WHERE to parse
+        " RETURNING id, key, requirements_id"
+    )
+    values = f"v ({names}, digest) AS (VALUES {', '.join([f'({cells}, %s)'] * rows)})"
+    if not postgres:
+        return f"WITH {values} {insert}"
+    event = (
+        "INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail)"
+        f" SELECT id, 'enqueued', %s, NULL, NULL, {empty} FROM j"
+    )
+    return f"WITH {values}, j AS ({insert}), e AS ({event}) SELECT id, key, requirements_id FROM j"
+
+
+def pins_of(keys: int) -> str:
+    """The workers holding affinity keys (parameters: the keys)."""
+    return f"SELECT key, worker_id FROM queue_affinity WHERE key IN ({placeholders(keys)})"
+
+
 # --------------------------------------------------------------------------- fenced calls
 
 

@@ -73,14 +73,14 @@ def test_an_item_whose_key_does_not_fit_is_skipped_and_the_others_dispatch(tmp_p
 def test_an_item_whose_sync_raises_is_logged_and_skipped(tmp_path, caplog, monkeypatch):
     control = control_plane(tmp_path, "cat items.json")
     publish(tmp_path, {"id": "a"}, {"id": "poison"}, {"id": "c"})
-    real_sync = services.task_sync
+    real_fields = services.task_fields
 
-    def task_sync(*, source, item, clock=None):
+    def task_fields(item):  # what dispatch takes from each item, in a batch and item by item alike
         if item.key == "poison":  # stands in for what the database refuses of one row
             raise DataError("value too long for type character varying(1024)")
-        return real_sync(source=source, item=item, clock=clock)
+        return real_fields(item)
 
-    monkeypatch.setattr(services, "task_sync", task_sync)
+    monkeypatch.setattr(services, "task_fields", task_fields)
     with caplog.at_level(logging.WARNING, logger="apiary.controlplane"):
         assert control.poll("feed") == 2
     assert sorted(Task.objects.values_list("item_key", flat=True)) == ["a", "c"]

@@ -46,6 +46,10 @@ class _Poll:
     error: str | None = None
 
 
+def _preview(key: str) -> str:
+    return key[:KEY_PREVIEW] + ("…" if len(key) > KEY_PREVIEW else "")
+
+
 class ControlPlane:
     def __init__(self, *, config: Config, clock: Clock | None = None, reap_interval: float = 1.0):
         self.config = config
@@ -138,24 +142,40 @@ class ControlPlane:
         return created
 
     def _dispatch(self, source_id: str, items: list[sources.Item]) -> int:
-        """Task and jobs for each item. An item the database cannot take is
-        logged and skipped; the others go on (it is tried again next poll)."""
+        """Tasks and jobs for the items, a batch per transaction (services.items_dispatch).
+        A batch the database cannot take is tried again item by item, each in its own
+        transaction, so one bad item is logged and skipped, leaving nothing of itself,
+        and the others go on (it is tried again next poll)."""
         source = self.config.sources[source_id]
+        storable = [item for item in items if self._storable(source_id, item)]
         created = 0
-        for item in items:
-            preview = item.key[:KEY_PREVIEW] + ("…" if len(item.key) > KEY_PREVIEW else "")
-            if len(item.key) > ITEM_KEY_MAX:
-                log.warning(
-                    "source %s: skipping item %r: its id is %d characters, a task key holds at most %d",
-                    source_id, preview, len(item.key), ITEM_KEY_MAX,
-                )
+        for start in range(0, len(storable), services.BATCH):
+            batch = storable[start : start + services.BATCH]
+            if len(batch) == 1:
+                created += self._dispatch_one(source, batch[0])
                 continue
             try:
-                task, _ = services.task_sync(source=source, item=item, clock=self.clock)
-                created += len(services.dispatch(config=self.config, task=task, workflows=source.workflows, clock=self.clock))
+                created += len(services.items_dispatch(config=self.config, source=source, items=batch, clock=self.clock))
             except (DatabaseError, ValueError) as exc:
-                log.error("source %s: skipping item %r: cannot store it: %s", source_id, preview, exc)
+                log.info("source %s: a batch of %d items failed (%s); dispatching them one by one", source_id, len(batch), exc)
+                created += sum(self._dispatch_one(source, item) for item in batch)
         return created
+
+    def _storable(self, source_id: str, item: sources.Item) -> bool:
+        if len(item.key) <= ITEM_KEY_MAX:
+            return True
+        log.warning(
+            "source %s: skipping item %r: its id is %d characters, a task key holds at most %d",
+            source_id, _preview(item.key), len(item.key), ITEM_KEY_MAX,
+        )  # fmt: skip
+        return False
+
+    def _dispatch_one(self, source, item: sources.Item) -> int:
+        try:
+            return len(services.items_dispatch(config=self.config, source=source, items=[item], clock=self.clock))
+        except (DatabaseError, ValueError) as exc:
+            log.error("source %s: skipping item %r: cannot store it: %s", source.id, _preview(item.key), exc)
+            return 0
 
     def reap(self) -> int:
         expired = queue.leases_expire(clock=self.clock)

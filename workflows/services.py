@@ -25,7 +25,7 @@ from jobqueue.clock import Clock, get_clock
 from jobqueue.models import Job
 from jobqueue.text import clean
 
-from . import payload
+from . import bulk, payload
 from .config import AgentConfig, Config, SourceConfig, WorkflowConfig
 from .models import Task, WorkflowInstance
 from .sources import Item
@@ -43,35 +43,6 @@ EFFECTS_CAPABILITY = "apiary.effects"
 RUNNER_CAPABILITY = "runner:{adapter}"
 
 log = logging.getLogger("apiary.dispatch")
-
-
-@transaction.atomic(durable=True)
-def task_sync(*, source: SourceConfig, item: Item, clock: Clock | None = None) -> tuple[Task, bool]:
-    """Create or update the task for `item`; returns (task, new_generation).
-
-    A command source's item starts a new generation whenever its content
-    (including `updated_at`) changes; a directory item only with
-    `redispatch_on_change: true` — otherwise its text is refreshed in place.
-    """
-    now = (clock or get_clock()).now()
-    # NUL (refused by PostgreSQL) and lone surrogates (not UTF-8) become U+FFFD, on every backend alike.
-    key = clean(item.key)
-    fields = {"title": clean(item.title), "body": clean(item.body), "payload": clean(item.payload)}
-    task = Task.objects.filter(source=source.id, item_key=key).first()
-    if task is None:
-        task = Task.objects.create(
-            source=source.id, item_key=key, generation=1, content_hash=item.content_hash,
-            created_at=now, updated_at=now, **fields,
-        )
-        return task, True
-    if task.content_hash == item.content_hash:
-        return task, False
-    redispatch = source.type == "command" or source.redispatch_on_change
-    if redispatch:
-        fields["generation"] = task.generation + 1
-    Task.objects.filter(pk=task.pk).update(content_hash=item.content_hash, updated_at=now, **fields)
-    task.refresh_from_db()
-    return task, redispatch
 
 
 def task_add(*, source: str, title: str, body: str = "", payload: dict | None = None, clock: Clock | None = None) -> Task:
@@ -131,15 +102,24 @@ def instance_dispatch_in(
     if existing is not None:
         return existing, existing.job, False
     now = (clock or get_clock()).now()
-    agent: AgentConfig = config.agents[workflow.agent]
     try:
         with transaction.atomic():
             instance = WorkflowInstance.objects.create(created_at=now, parent=parent, **lookup)
     except IntegrityError:  # dispatched concurrently (PostgreSQL): the other one's instance and job stand
         existing = WorkflowInstance.objects.select_related("job").get(**lookup)
         return existing, existing.job, False
+    job, _ = queue.job_enqueue_in(**_job_spec(config=config, task=task, workflow=workflow, instance=instance), clock=clock)
+    WorkflowInstance.objects.filter(pk=instance.pk).update(job=job)
+    instance.job = job
+    return instance, job, True
+
+
+def _job_spec(*, config: Config, task: Task, workflow: WorkflowConfig, instance: WorkflowInstance) -> dict:
+    """The job of a new instance, as job_enqueue_in's keyword arguments: the payload, the agent's
+    routing and the workflow's retry policy, and its hooks as follow-ups."""
+    agent: AgentConfig = config.agents[workflow.agent]
     key = enqueue_key(task, workflow.id)
-    parent_id = parent.pk if parent is not None else None
+    parent_id = instance.parent_id
     # The instance's job and its hook jobs run under the agent's routing, with the same limits.
     routing = {
         "project": config.project,
@@ -156,21 +136,18 @@ def instance_dispatch_in(
         "max_attempts": config.settings.queue.max_attempts,
     }
     effects = [EFFECTS_CAPABILITY] if any(step.publish or step.spawn for step in workflow.steps) else []
-    job, _ = queue.job_enqueue_in(
-        key=key,
-        payload=payload.payload_of(
+    return {
+        "key": key,
+        "payload": payload.payload_of(
             workflow=workflow.id, instance_id=instance.pk, task=task, parent_instance_id=parent_id
         ),
-        retry=workflow.retry,
-        follow_ups=_hook_follow_ups(
+        "retry": workflow.retry,
+        "follow_ups": _hook_follow_ups(
             key=key, workflow=workflow, instance=instance, task=task, routing=routing, parent_instance_id=parent_id
         ),
-        clock=clock,
-        **{**routing, "capabilities": [*routing["capabilities"], *effects]},
-    )
-    WorkflowInstance.objects.filter(pk=instance.pk).update(job=job)
-    instance.job = job
-    return instance, job, True
+        **routing,
+        "capabilities": [*routing["capabilities"], *effects],
+    }
 
 
 def _hook_follow_ups(
@@ -213,9 +190,127 @@ def dispatch(*, config: Config, task: Task, workflows: tuple[str, ...], clock: C
             config=config, task=task, workflow=config.workflows[workflow_id], clock=clock
         )
         if is_new:
-            log.info(
-                "dispatch: job %s instance %s workflow %s task %s (%s:%s generation %s)",
-                job.pk, instance.pk, workflow_id, task.pk, task.source, task.item_key, task.generation,
-            )
+            _log_dispatch(instance, job, task)
             created.append(job)
     return created
+
+
+def _log_dispatch(instance: WorkflowInstance, job: Job, task: Task) -> None:
+    log.info(
+        "dispatch: job %s instance %s workflow %s task %s (%s:%s generation %s)",
+        job.pk, instance.pk, instance.workflow, task.pk, task.source, task.item_key, task.generation,
+    )
+
+
+# Items per items_dispatch transaction: long enough to pay its commit once for many items,
+# short enough that the write lock it holds on SQLite never keeps a claim or a finish waiting long.
+BATCH = 500
+
+
+def items_dispatch(*, config: Config, source: SourceConfig, items: list[Item], clock: Clock | None = None) -> list[Job]:
+    """The tasks of a source's items (BATCH or so, unique keys) and, per workflow of the
+    source, the instance and job of each task's current generation that it lacks, all in
+    one transaction; returns the jobs created. A new item is a new task; a changed one is
+    refreshed in place or starts a new generation (_task_refresh); an unchanged one whose
+    instances exist creates nothing. Each kind of row is read and written once for the
+    whole batch, never per item. Anything that fails rolls the whole batch back: nothing
+    of it is written, and the caller can try its items one by one."""
+    if _nothing_new(source=source, items=items):
+        return []
+    now = (clock or get_clock()).now()
+    with transaction.atomic(durable=True):
+        tasks = _tasks_sync(source=source, items=items, now=now)
+        made = _instances_dispatch(config=config, tasks=tasks, workflows=source.workflows, now=now, clock=clock)
+    for instance, job in made:
+        _log_dispatch(instance, job, instance.task)
+    return [job for _, job in made]
+
+
+def _nothing_new(*, source: SourceConfig, items: list[Item]) -> bool:
+    """Whether every item has its task, unchanged, with the instances of its current generation:
+    what a poll of an unchanged source finds, told by two plain reads without the write lock."""
+    keys = [clean(item.key) for item in items]
+    known = {
+        key: (pk, generation, content_hash)
+        for key, pk, generation, content_hash in Task.objects.filter(source=source.id, item_key__in=keys).values_list(
+            "item_key", "pk", "generation", "content_hash"
+        )
+    }
+    if len(known) < len(keys) or any(known[key][2] != item.content_hash for key, item in zip(keys, items, strict=True)):
+        return False
+    have = set(
+        WorkflowInstance.objects.filter(task__in=[pk for pk, _, _ in known.values()]).values_list(
+            "task_id", "generation", "workflow"
+        )
+    )
+    return all((pk, generation, w) in have for pk, generation, _ in known.values() for w in source.workflows)
+
+
+def _tasks_sync(*, source: SourceConfig, items: list[Item], now) -> list[Task]:
+    """The task of each item, in order: one read of those that exist, one insert of the new."""
+    keyed = [(clean(item.key), item) for item in items]
+    known = {t.item_key: t for t in Task.objects.filter(source=source.id, item_key__in=[key for key, _ in keyed])}
+    tasks, new = [], []
+    for key, item in keyed:
+        fields = task_fields(item)
+        task = known.get(key)
+        if task is None:
+            task = Task(
+                source=source.id, item_key=key, generation=1, content_hash=item.content_hash,
+                created_at=now, updated_at=now, **fields,
+            )  # fmt: skip
+            new.append(task)
+        else:
+            task = _task_refresh(task, source=source, item=item, fields=fields, now=now)
+        tasks.append(task)
+    bulk.insert_tasks(new)
+    return tasks
+
+
+def task_fields(item: Item) -> dict:
+    """What a task takes from its item besides its key and hash, as both backends store it:
+    NUL (refused by PostgreSQL) and lone surrogates (not UTF-8) become U+FFFD."""
+    return {"title": clean(item.title), "body": clean(item.body), "payload": clean(item.payload)}
+
+
+def _task_refresh(task: Task, *, source: SourceConfig, item: Item, fields: dict, now) -> Task:
+    """The task of an item it had before: unchanged, refreshed in place, or on a new generation.
+
+    A command source's item starts a new generation whenever its content
+    (including `updated_at`) changes; a directory item only with
+    `redispatch_on_change: true` — otherwise its text is refreshed in place."""
+    if task.content_hash == item.content_hash:
+        return task
+    if source.type == "command" or source.redispatch_on_change:
+        fields = {**fields, "generation": task.generation + 1}
+    fields |= {"content_hash": item.content_hash, "updated_at": now}
+    Task.objects.filter(pk=task.pk).update(**fields)
+    for name, value in fields.items():
+        setattr(task, name, value)
+    return task
+
+
+def _instances_dispatch(
+    *, config: Config, tasks: list[Task], workflows: tuple[str, ...], now, clock: Clock | None
+) -> list[tuple[WorkflowInstance, Job]]:
+    """dispatch of many tasks: one read of the instances they have, one insert of those they lack,
+    their jobs in jobs_enqueue_in (dedup by enqueue key, one wake per job class), one update linking them."""
+    have = set(
+        WorkflowInstance.objects.filter(task__in=[t.pk for t in tasks]).values_list("task_id", "generation", "workflow")
+    )
+    instances = [
+        WorkflowInstance(task=task, generation=task.generation, workflow=workflow_id, created_at=now)
+        for task in tasks
+        for workflow_id in workflows
+        if (task.pk, task.generation, workflow_id) not in have
+    ]
+    if not instances:
+        return []
+    bulk.insert_instances(instances)
+    specs = [
+        _job_spec(config=config, task=i.task, workflow=config.workflows[i.workflow], instance=i) for i in instances
+    ]
+    for instance, (job, _) in zip(instances, queue.jobs_enqueue_in(specs, clock=clock), strict=True):
+        instance.job = job
+    bulk.link_jobs(instances)
+    return [(instance, instance.job) for instance in instances]

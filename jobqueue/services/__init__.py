@@ -7,7 +7,8 @@ jobqueue.exceptions, and writes a JobEvent row per job transition in the same
 transaction. Job and attempt states move only through
 `services.transitions` (a compare-and-set with a row count check).
 
-    jobs.py       job_enqueue (and job_enqueue_in, inside a caller's transaction), job_cancel, job_retry
+    jobs.py       job_enqueue (and job_enqueue_in, inside a caller's transaction; jobs_enqueue_in, many
+                  at once), job_cancel, job_retry
     claiming.py   jobs_claim (claim_round: the same, with what a long-poll needs to wait)
     attempts.py   attempt_heartbeat, attempt_finish, attempt_abandon, leases_expire, reconcile
     workers.py    worker_register, worker_heartbeat, worker_drain, worker_undrain, workers_forget,
@@ -24,7 +25,7 @@ from .attempts import attempt_abandon, attempt_finish, attempt_heartbeat, leases
 from .claiming import claim_round, jobs_claim, requirement_cache
 from .common import hash_token
 from .credentials import credential_issue, credential_used, credentials_revoke, worker_enroll, worker_reregister
-from .jobs import job_cancel, job_enqueue, job_enqueue_in, job_retry
+from .jobs import job_cancel, job_enqueue, job_enqueue_in, job_retry, jobs_enqueue_in
 from .logs import log_append, logs_prune
 from .records import attempt_heartbeat_with_checkpoint, job_record, job_records, record_of_job, records_of_job
 from .workers import worker_drain, worker_forget, worker_heartbeat, worker_register, worker_undrain, workers_forget
@@ -47,6 +48,7 @@ __all__ = [
     "job_retry",
     "job_records",
     "jobs_claim",
+    "jobs_enqueue_in",
     "leases_expire",
     "log_append",
     "logs_prune",

@@ -1,7 +1,10 @@
 """Putting jobs in the queue and taking them out by cancelling."""
 
+import dataclasses
 import datetime as dt
-from collections.abc import Iterable, Mapping
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 
 from django.db import IntegrityError, connection, transaction
 
@@ -17,28 +20,45 @@ from .common import actor_of, event, now_of, postgres, service
 from .followups import checked_follow_ups
 from .transitions import checked, job_move
 
-
-def _requirement_set(
-    pool: str | None, labels: Iterable[str], capabilities: Iterable[str], keys: tuple[str, str, str, str]
-) -> RequirementSet:
-    """The class of a job: its requirements and its limit keys (project, source, agent, runner)."""
-    labels, capabilities = sorted(set(labels)), sorted(set(capabilities))
-    digest = RequirementSet.digest_of(pool, labels, capabilities, keys)
-    found = RequirementSet.objects.filter(digest=digest).first()
-    if found:
-        return found
-    project, source, agent, runner = keys
-    try:
-        with transaction.atomic():
-            return RequirementSet.objects.create(
-                pool=pool, labels=labels, capabilities=capabilities, digest=digest,
-                project=project, source=source, agent=agent, runner=runner,
-            )
-    except IntegrityError:  # created concurrently (PostgreSQL)
-        return RequirementSet.objects.get(digest=digest)
+INSERT_CHUNK = 500  # jobs per insert statement: far below either backend's limit on parameters
 
 
-def job_enqueue_in(
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """One job to insert: its columns (sql.JOB_INSERT_COLUMNS) and its class."""
+
+    columns: dict
+    labels: list[str]
+    capabilities: list[str]
+    digest: str  # of its class: RequirementSet.digest_of
+
+    @property
+    def key(self) -> str:
+        return self.columns["key"]
+
+    def params(self) -> list:
+        c = self.columns
+        return [_json(c[name]) if name in _JSON else c[name] for name in sql.JOB_INSERT_COLUMNS] + [self.digest]
+
+    def job(self, pk: int, requirements_id: int, now: dt.datetime) -> Job:
+        """The Job as the insert wrote it, without reading it back."""
+        fields = {**_NEW_JOB, **self.columns, "id": pk, "requirements_id": requirements_id, "available_at": now,
+                  "created_at": now}  # fmt: skip
+        return Job.from_db(connection.alias, _JOB_FIELDS, [fields[name] for name in _JOB_FIELDS])
+
+
+_JSON = frozenset({"payload", "follow_ups"})  # stored as JSON text
+# Every column of a new job that an enqueue does not set, as the insert writes it.
+_NEW_JOB = {"state": JobState.QUEUED, "attempt_count": 0, "retried_through": 0, "summary": {}, "reason": "",
+            "cancel_requested_at": None, "current_attempt_id": None, "finished_at": None}  # fmt: skip
+_JOB_FIELDS = [field.attname for field in Job._meta.concrete_fields]
+
+
+def _json(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _row(
     *,
     key: str,
     payload: dict,
@@ -54,15 +74,120 @@ def job_enqueue_in(
     max_attempts: int | None = None,
     retry: Retry | None = None,
     follow_ups: Mapping[str, list[dict]] | None = None,
-    clock: Clock | None = None,
-) -> tuple[Job, bool]:
+) -> _Row:
+    """One job's spec checked and in the form it is stored; InvalidRequest naming what is wrong."""
+    if not isinstance(payload, dict):
+        raise InvalidRequest(f"payload must be a JSON object, got {type(payload).__name__}", field="payload")
+    clashing = CLAIM_FIELDS.intersection(payload)
+    if clashing:
+        raise InvalidRequest(f"payload keys {sorted(clashing)} are the queue's own", field="payload")
+    retry = retry or Retry()
+    pool, labels, capabilities = pool or None, sorted(set(labels)), sorted(set(capabilities))
+    columns = {
+        "key": key, "payload": clean(payload), "project": project, "source": source, "agent": agent,
+        "runner": runner, "pool": pool, "affinity_key": affinity_key, "priority": priority,
+        "max_attempts": max_attempts or conf.current().max_attempts, "retry_max_attempts": retry.max_attempts,
+        "retry_backoff": retry.backoff, "retry_backoff_max": retry.backoff_max,
+        "follow_ups": checked_follow_ups(follow_ups),
+    }  # fmt: skip
+    digest = RequirementSet.digest_of(pool, labels, capabilities, (project, source, agent, runner))
+    return _Row(columns=columns, labels=labels, capabilities=capabilities, digest=digest)
+
+
+def _requirement_set(row: _Row) -> None:
+    """Create the class of a job (its requirements and its limit keys) unless it exists.
+    Enqueue finds the class by digest in its insert; this runs only for a class no job had before."""
+    if RequirementSet.objects.filter(digest=row.digest).exists():
+        return
+    keys = {name: row.columns[name] for name in ("pool", "project", "source", "agent", "runner")}
+    try:
+        with transaction.atomic():
+            RequirementSet.objects.create(labels=row.labels, capabilities=row.capabilities, digest=row.digest, **keys)
+    except IntegrityError:  # created concurrently (PostgreSQL)
+        pass
+
+
+def _insert(cursor, rows: list[_Row], now: dt.datetime) -> dict[str, tuple[int, int]]:
+    """Insert what is new of `rows` (and, on PostgreSQL, their events); {key: (job id, requirement set id)}
+    of the jobs inserted."""
+    if not rows:
+        return {}
+    at = sql.ts(now)
+    params = [p for row in rows for p in row.params()] + [at, at] + ([at] if postgres() else [])
+    cursor.execute(sql.insert_jobs(len(rows), postgres()), params)
+    return {key: (pk, requirements_id) for pk, key, requirements_id in cursor.fetchall()}
+
+
+def _existing(keys: list[str]) -> dict[str, Job]:
+    return {job.key: job for job in Job.objects.filter(key__in=keys)} if keys else {}
+
+
+def _enqueue(rows: list[_Row], now: dt.datetime) -> list[tuple[Job, bool]]:
+    """Insert `rows` (at most INSERT_CHUNK) in the caller's transaction; (job, created) per row, in order."""
+    with connection.cursor() as cursor:
+        inserted = _insert(cursor, rows, now)
+        existing = _existing([row.key for row in rows if row.key not in inserted])
+        # Neither inserted nor there: the row's class is new. Create it, then insert those again.
+        orphans = [row for row in rows if row.key not in inserted and row.key not in existing]
+        if orphans:
+            for row in {row.digest: row for row in orphans}.values():
+                _requirement_set(row)
+            inserted |= _insert(cursor, orphans, now)
+            # PostgreSQL: a key that still did not insert was enqueued by another transaction meanwhile.
+            existing |= _existing([row.key for row in orphans if row.key not in inserted])
+        results, created = [], {}
+        for row in rows:
+            if row.key in created or row.key not in inserted:  # an existing key, or one earlier in `rows`
+                results.append((created.get(row.key) or existing[row.key], False))
+                continue
+            job = created[row.key] = row.job(*inserted[row.key], now)
+            results.append((job, True))
+        if not postgres():  # PostgreSQL's insert wrote them
+            _enqueued_events(cursor, list(created.values()), now)
+        _wake(cursor, [(job, row) for (job, new), row in zip(results, rows, strict=True) if new])
+    return results
+
+
+def _enqueued_events(cursor, jobs: list[Job], now: dt.datetime) -> None:
+    """SQLite: the `enqueued` event of each job created: common.event's row; for many, one executemany of it."""
+    if len(jobs) == 1:
+        event(cursor, job_id=jobs[0].pk, kind="enqueued", at=now)
+    elif jobs:
+        at, detail = sql.ts(now), sql.js({})
+        cursor.executemany(sql.INSERT_EVENT, [(job.pk, "enqueued", at, None, None, detail) for job in jobs])
+
+
+def _wake(cursor, created: list[tuple[Job, _Row]]) -> None:
+    """One wake per job class (and pinned worker) for the jobs created, each for as many waiters as jobs."""
+    pins = {}
+    keys = sorted({job.affinity_key for job, _ in created if job.affinity_key is not None})
+    if keys:
+        cursor.execute(sql.pins_of(len(keys)), keys)
+        pins = dict(cursor.fetchall())
+    counts: Counter = Counter()
+    needs = {}
+    for job, row in created:
+        counts[job.requirements_id, pins.get(job.affinity_key)] += 1
+        needs[job.requirements_id] = (job.pool, frozenset(row.labels), frozenset(row.capabilities))
+    for (requirements_id, worker_id), count in counts.items():
+        emit(cursor, Wake(requirements=requirements_id, worker_id=worker_id, count=count, needs=needs[requirements_id]))
+
+
+def _in_transaction(name: str) -> None:
+    if not connection.in_atomic_block:
+        raise RuntimeError(f"{name}() runs inside its caller's transaction; use job_enqueue() otherwise")
+
+
+def job_enqueue_in(*, clock: Clock | None = None, **spec) -> tuple[Job, bool]:
     """Persist a job under its dedup `key`; returns (job, created).
 
-    The same key returns the existing job and creates nothing. `payload` is
-    stored as given (NUL and lone surrogates become U+FFFD) and handed to
-    every claim of the job unchanged; its keys may not be the queue's own
-    (jobqueue.types.CLAIM_FIELDS). Capabilities and labels are required of
-    the claiming worker verbatim; the limit keys count its live attempts.
+    `spec`: key, payload, project, source, agent, runner (required); pool,
+    labels, capabilities, affinity_key, priority, max_attempts, retry,
+    follow_ups. The same key returns the existing job and creates nothing.
+    `payload` is stored as given (NUL and lone surrogates become U+FFFD) and
+    handed to every claim of the job unchanged; its keys may not be the
+    queue's own (jobqueue.types.CLAIM_FIELDS). Capabilities and labels are
+    required of the claiming worker verbatim; the limit keys count its live attempts.
 
     This runs inside the caller's transaction, for a service of a layer above
     that writes its own rows together with the job (a workflow instance):
@@ -71,50 +196,21 @@ def job_enqueue_in(
 
     `follow_ups` ({terminal state: [job spec, …]}, services/followups.py) are
     enqueued in the transaction that settles this job in that state."""
-    if not connection.in_atomic_block:
-        raise RuntimeError("job_enqueue_in() runs inside its caller's transaction; use job_enqueue() otherwise")
-    if not isinstance(payload, dict):
-        raise InvalidRequest(f"payload must be a JSON object, got {type(payload).__name__}", field="payload")
-    clashing = CLAIM_FIELDS.intersection(payload)
-    if clashing:
-        raise InvalidRequest(f"payload keys {sorted(clashing)} are the queue's own", field="payload")
-    follow_ups = checked_follow_ups(follow_ups)
+    _in_transaction("job_enqueue_in")
     now = now_of(clock)
-    existing = Job.objects.filter(key=key).first()
-    if existing:
-        return existing, False
-    retry = retry or Retry()
-    pool = pool or None
-    requirements = _requirement_set(pool, labels, capabilities, (project, source, agent, runner))
-    try:
-        with transaction.atomic():
-            job = Job.objects.create(
-                key=key,
-                payload=clean(payload),
-                project=project,
-                source=source,
-                agent=agent,
-                runner=runner,
-                pool=pool,
-                requirements=requirements,
-                affinity_key=affinity_key,
-                priority=priority,
-                available_at=now,
-                max_attempts=max_attempts or conf.current().max_attempts,
-                retry_max_attempts=retry.max_attempts,
-                retry_backoff=retry.backoff,
-                retry_backoff_max=retry.backoff_max,
-                follow_ups=follow_ups,
-                created_at=now,
-            )
-    except IntegrityError:  # the same key enqueued concurrently (PostgreSQL)
-        return Job.objects.get(key=key), False
-    with connection.cursor() as cursor:
-        event(cursor, job_id=job.pk, kind="enqueued", at=now)
-        pinned = sql.one(cursor, sql.PIN_OF, [affinity_key]) if affinity_key is not None else None
-        needs = (requirements.pool, frozenset(requirements.labels), frozenset(requirements.capabilities))
-        emit(cursor, Wake(requirements=requirements.pk, worker_id=pinned[0] if pinned else None, needs=needs))
-    return job, True
+    return _enqueue([_row(**spec)], now)[0]
+
+
+def jobs_enqueue_in(specs: Sequence[Mapping], *, clock: Clock | None = None) -> list[tuple[Job, bool]]:
+    """job_enqueue_in for many jobs at once, in the caller's transaction: `specs` are its
+    keyword arguments; (job, created) per spec, in order. A spec whose key is already
+    in the queue, or earlier in `specs`, returns that job and creates nothing. Any bad
+    spec (InvalidRequest) refuses them all before anything is written. One insert per
+    INSERT_CHUNK jobs, and one wake per job class for all of its new jobs."""
+    _in_transaction("jobs_enqueue_in")
+    now = now_of(clock)
+    rows = [_row(**spec) for spec in specs]
+    return [result for i in range(0, len(rows), INSERT_CHUNK) for result in _enqueue(rows[i : i + INSERT_CHUNK], now)]
 
 
 job_enqueue = service(job_enqueue_in)

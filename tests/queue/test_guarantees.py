@@ -84,17 +84,16 @@ def in_other_connection(fn):
 def test_enqueued_job_is_invisible_to_claims_until_enqueue_has_committed(clock, monkeypatch):
     worker = register("w1")
     during = []
-    record_event = jobs.event
+    announce = jobs.emit
     if connection.vendor == "sqlite":  # the other connection gives up on the write lock in 1 s, not the 30 s busy timeout
         monkeypatch.setitem(connection.settings_dict["OPTIONS"], "timeout", 1.0)
 
-    def claim_while_enqueue_is_open(cursor, **kwargs):
-        # Runs inside job_enqueue's transaction, after the job row was written.
-        record_event(cursor, **kwargs)
-        if kwargs["kind"] == "enqueued":
-            during.append(in_other_connection(lambda: claim(worker)))
+    def claim_while_enqueue_is_open(cursor, wake):
+        # Runs inside job_enqueue's transaction, after the job row (and its event) was written.
+        announce(cursor, wake)
+        during.append(in_other_connection(lambda: claim(worker)))
 
-    monkeypatch.setattr(jobs, "event", claim_while_enqueue_is_open)
+    monkeypatch.setattr(jobs, "emit", claim_while_enqueue_is_open)
     job = enqueue()
 
     # Another connection either saw no job (PostgreSQL: uncommitted rows are
@@ -110,13 +109,13 @@ def test_enqueued_job_is_invisible_to_claims_until_enqueue_has_committed(clock, 
 def test_enqueue_that_fails_midway_leaves_nothing_claimable(clock, monkeypatch):
     worker = register("w1")
     task = make_task()
-    record_event = jobs.event
+    announce = jobs.emit
 
-    def crash(cursor, **kwargs):
-        record_event(cursor, **kwargs)
+    def crash(cursor, wake):
+        announce(cursor, wake)
         raise RuntimeError("crash after the job row was written")
 
-    monkeypatch.setattr(jobs, "event", crash)
+    monkeypatch.setattr(jobs, "emit", crash)
     before = snapshot()
     with pytest.raises(RuntimeError, match="crash after"):
         enqueue_job(task, workflow="triage", agent="engineer", runner="shell", project="demo")

@@ -29,7 +29,7 @@ def test_requirement_set_committed_out_of_id_order_is_never_claimable(clock, mon
     """Set N commits after set N+1 was cached: a worker that matches only set N
     got [] forever: the requirement cache only asked for ids above the highest seen."""
     slow_task, fast_task = make_task(), make_task()
-    paused, release = pause_in(monkeypatch, jobs, "event", "slow")
+    paused, release = pause_in(monkeypatch, jobs, "emit", "slow")
     t, out = run_thread(lambda: enqueue_job(slow_task, workflow="triage", agent="a", runner="shell",
                                                      project="p", labels=["gpu"]), "slow")
     # set N inserted, not committed
@@ -120,7 +120,7 @@ def test_reconcile_loses_a_cancel_recorded_while_it_runs(clock, monkeypatch):
 
 
 def test_enqueue_dedup_race(clock, monkeypatch):
-    paused, release = pause_in(monkeypatch, jobs, "event", "slow")
+    paused, release = pause_in(monkeypatch, jobs, "emit", "slow")
     kw = dict(key="1:1:triage", payload={}, agent="a", runner="shell", project="p", source="inbox")
     t1, out1 = run_thread(lambda: services.job_enqueue(**kw), "slow")
     wait_for(paused.is_set, timeout=WAIT, what="the first thread to pause")
@@ -200,7 +200,7 @@ def test_dispatch_race(clock, monkeypatch, tmp_path):
     (tmp_path / "inbox").mkdir()
     config = load(tmp_path / "apiary.yaml")
     task = make_task(source="inbox")
-    paused, release = pause_in(monkeypatch, jobs, "event", "slow")
+    paused, release = pause_in(monkeypatch, jobs, "emit", "slow")
     t1, out1 = run_thread(lambda: dispatch(config=config, task=task, workflows=("triage",)), "slow")
     wait_for(paused.is_set, timeout=WAIT, what="the first dispatch to pause")
     before = lock_waiters()

@@ -34,6 +34,16 @@ def moves() -> int:
     return 1 if connection.vendor == "postgresql" else 3
 
 
+def test_enqueue_of_one_job(clock, django_assert_num_queries):
+    kw = {"payload": {}, "project": "p", "source": "s", "agent": "a", "runner": "shell"}
+    services.job_enqueue(key="first", **kw)  # its class exists from here on
+    # the job (its class found by digest in the same insert), its event (PostgreSQL: by the same statement), the wake
+    with django_assert_num_queries(TX + (2 if connection.vendor == "postgresql" else 3)):
+        assert services.job_enqueue(key="second", **kw)[1] is True
+    with django_assert_num_queries(TX + 2):  # a key already queued: the insert that did nothing, the read
+        assert services.job_enqueue(key="second", **kw)[1] is False
+
+
 def test_claim_of_one_job(clock, django_assert_num_queries):
     job = enqueue()
     worker = register("w1")
