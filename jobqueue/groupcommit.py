@@ -5,23 +5,26 @@ Each queue service is one durable transaction, and on SQLite with
 short call's time is its commit. A process whose threads make many such
 calls at once — the embedded worker's job threads finishing, recording,
 streaming logs — can share commits: a call waits in line while a commit is
-under way, and the next commit carries every call that queued meanwhile,
-each in a savepoint of its own. Nothing is answered before the commit that
-holds it returns: a caller gets its result (or its error) only then, and a
-commit that fails answers every call in it `Unavailable`, with none of them
-written. No call waits for company: the first caller with nobody committing
-commits at once, alone; grouping happens only while a commit is in flight.
+under way, and the next commit carries every call that queued meanwhile.
+The batch runs without savepoints; if a call in it fails, the batch is
+rolled back and run again with a savepoint per call, so only the failing
+call is refused. Nothing is answered before the COMMIT that holds it
+returns: a caller gets its result (or its error) only then, and a commit
+that fails, or a transaction that a call left broken, answers every call
+in it `Unavailable`, with none of them written. No call waits for
+company: a call with nobody committing commits at once, alone.
 
-The committing thread is one of the callers (the leader), on its own Django
-connection: when its commit is done it hands the next batch to the first
-caller still waiting, so no thread commits for others for long and no
-extra thread or connection exists. A call made inside a transaction of the
-caller's own (a test's) runs there, as the plain service would.
+Who commits: by default one of the callers (the leader), on its own Django
+connection, which hands the next batch to the first caller still waiting.
+With `dedicated=True` a thread of the committer's own makes every commit on
+its one connection (the embedded worker's transport: its job and log-sender
+threads come and go, and each would otherwise open a connection to lead).
+A call made inside a transaction of the caller's own (a test's) runs there,
+as the plain service would.
 
 `call(service, **kwargs)` takes a function made with `services.common.service`
 (its body runs here: `service.body`); `defer(...)` queues one that nobody
-waits for (step history), committed with the next batch or by the caller
-itself when nobody is committing.
+waits for (step history), committed with the next batch.
 """
 
 import dataclasses
@@ -116,8 +119,7 @@ class GroupCommitter:
             self._pending.append(item)
             if self.dedicated:
                 if not self._leading:
-                    self._leading = True
-                    threading.Thread(target=self._serve, name="apiary-commit", daemon=True).start()
+                    self._start_thread()
                 self._ready.notify()
                 return False
             if self._leading:
@@ -125,15 +127,27 @@ class GroupCommitter:
             self._leading = True
             return True
 
+    def _start_thread(self) -> None:
+        """Under the lock: the dedicated thread, started (a failure to start leaves no one
+        marked as committing, and the caller sees the error)."""
+        self._leading = True
+        try:
+            threading.Thread(target=self._serve, name="apiary-commit", daemon=True).start()
+        except BaseException:
+            self._leading = False
+            self._pending.clear()
+            raise
+
     def _serve(self) -> None:
         """The dedicated thread: commit what is queued, until idle for IDLE_SECONDS."""
+        idle = False
         try:
             while True:
                 with self._lock:
                     if not self._pending:
                         self._ready.wait(self.IDLE_SECONDS)
                     if not self._pending:
-                        self._leading = False  # the next call starts a thread again
+                        self._leading, idle = False, True  # the next call starts a thread again
                         return
                     batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
                 try:
@@ -144,6 +158,11 @@ class GroupCommitter:
                     close_old_connections()
         finally:
             connection.close()
+            if not idle:  # torn out of the loop: a thread must still answer what is queued
+                with self._lock:
+                    self._leading = False
+                    if self._pending:
+                        self._start_thread()
 
     def _lead(self) -> None:
         """Commit batches until a waiting caller can take over or nothing is left."""
@@ -153,21 +172,25 @@ class GroupCommitter:
                     batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
                 if batch:
                     self._commit(batch)
-                with self._lock:
-                    if self._pending and not any(item.waiting for item in self._pending):
-                        continue  # only deferred calls are left: commit them too
-                    break
-        finally:  # also when this thread is torn out of the loop: leadership must never be lost
-            self._hand_over()
+                if self._hand_over():
+                    return
+        except BaseException:  # torn out of the loop: leadership must never be lost
+            self._hand_over(give_up=True)
+            raise
 
-    def _hand_over(self) -> None:
+    def _hand_over(self, *, give_up: bool = False) -> bool:
+        """After a commit: pass the lead to the first waiting caller, or end it when nothing is
+        queued; False when only deferred calls are queued (the leader commits them too)."""
         with self._lock:
             heir = next((item for item in self._pending if item.waiting), None)
             if heir is None:
+                if self._pending and not give_up:
+                    return False  # decided under the lock: a call queued from now on finds us leading
                 self._leading = False
-                return
+                return True
         heir.lead = True  # it commits the next batch (its own among it) on its own connection
         heir.wake.set()
+        return True
 
     def _commit(self, batch: list[_Call]) -> bool:
         """Commit the batch and answer every call in it; False when the commit itself failed."""
@@ -178,8 +201,9 @@ class GroupCommitter:
                 self._commit_alone(batch[0])
             elif not self._commit_together(batch):
                 self._commit_apart(batch)
-        except DatabaseError as exc:  # BEGIN or COMMIT failed: nothing of the batch was written
+        except DatabaseError as exc:  # BEGIN or COMMIT failed, or a call broke the transaction: nothing was written
             failed = Unavailable(f"database unavailable: {exc}")
+            _forget_uncommitted()
         except BaseException as exc:
             failed = Unavailable(f"group commit failed: {exc!r}")  # its callers must not wait for ever
             raise
@@ -203,10 +227,12 @@ class GroupCommitter:
                         item.result = item.body(**item.kwargs)
                     except Exception as exc:  # noqa: BLE001 - rolls the batch back; _commit_apart answers it
                         raise _Refused from exc
+                _require_intact()
                 self.before_commit(len(batch))
         except _Refused:
             for item in batch:
                 item.result = None
+            _forget_uncommitted()
             return False
         return True
 
@@ -219,6 +245,7 @@ class GroupCommitter:
                         item.result = item.body(**item.kwargs)
                 except Exception as exc:  # noqa: BLE001 - the caller's, as the plain call's would be
                     item.error = _answer_of(exc)
+                _require_intact()  # a savepoint that could not be rolled back took the transaction with it
             self.before_commit(len(batch))
 
     def _commit_alone(self, item: _Call) -> None:
@@ -229,9 +256,26 @@ class GroupCommitter:
                 except Exception as exc:  # noqa: BLE001 - the caller's, as the plain call's would be
                     item.error = _answer_of(exc)
                     raise _Refused from exc
+                _require_intact()
                 self.before_commit(1)
         except _Refused:
-            pass
+            _forget_uncommitted()
+
+
+def _require_intact() -> None:
+    """Inside the batch's transaction: a DatabaseError (so every call is answered Unavailable)
+    when Django would roll it back at the end without a word (a savepoint rollback that
+    failed, a connection lost mid-batch), instead of letting its calls be answered as done."""
+    if connection.needs_rollback or connection.closed_in_transaction:
+        raise DatabaseError("the batch's transaction was broken by one of its calls; nothing of it was written")
+
+
+def _forget_uncommitted() -> None:
+    """A batch was rolled back: job classes that a claim in it read (and the process cached)
+    may have been created by another call in it, and exist no more."""
+    from .services.claiming import requirement_cache  # the services import this module's users
+
+    requirement_cache.reset()
 
 
 class _Refused(Exception):

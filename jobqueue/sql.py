@@ -273,6 +273,8 @@ def ts(value):
     its per-call settings lookups; on PostgreSQL the datetime itself."""
     if value is None or not _on_sqlite():
         return value
+    if value.tzinfo is None:  # as Django's adapter stores a naive one: as it is
+        return str(value)
     return str(value.astimezone(dt.UTC).replace(tzinfo=None))
 
 

@@ -464,3 +464,19 @@ def test_an_unexpected_claim_error_does_not_end_the_worker(clock):
     runtime.request_drain("test over")
     loop.join(10)
     assert not loop.is_alive() and runtime.fatal is None
+
+
+def test_a_worker_at_capacity_claims_again_when_a_job_ends_not_on_a_timer(clock, monkeypatch):
+    # A slot wait far longer than the test's deadline: the next claim can only come from the
+    # ending job's wake (runtime.freed), never from the wait running out.
+    monkeypatch.setattr("workers.runtime.SLOT_WAIT", 3600.0)
+    jobs = [enqueue() for _ in range(3)]
+    runtime = make_runtime(ScriptedExecutor(), capacity=1)
+    loop = threading.Thread(target=runtime.run, daemon=True)
+    loop.start()
+    try:
+        wait_for(lambda: all(job_state(j) == JobState.SUCCEEDED for j in jobs), timeout=WAIT, what="three jobs, one slot")
+    finally:
+        runtime.request_drain("test over")
+        loop.join(WAIT)
+    assert not loop.is_alive() and runtime.finished_count == 3

@@ -178,6 +178,7 @@ class WorkerRuntime:
             self.wake.clear()
             log.info("worker %s: drain lifted by an operator; claiming again", self.spec.worker_id)
             self._call(self._send_worker_heartbeat)  # tell the control plane at once: it refuses claims while draining
+            self.freed.set()  # the claim loop's wait ends now, not at its next look
 
     def _drain(self, why: str) -> None:
         if not self.draining.is_set():

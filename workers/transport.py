@@ -80,8 +80,8 @@ class Transport(Protocol):
 class InProcessTransport:
     """The embedded worker's transport: service calls in this process.
 
-    Each runtime thread has its own Django connection; `close()` drops the
-    calling thread's one (job threads call it before they end). The calls
+    Registration uses the calling thread's Django connection; `close()` drops
+    it (job threads call it before they end). The calls
     of a job's attempt — claims, heartbeats, journal records, log appends,
     finishes — go through one group committer (jobqueue.groupcommit): calls
     that the worker's threads make at the same moment share one commit, and

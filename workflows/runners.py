@@ -161,16 +161,21 @@ def run_step(
             return result("failed", None)
 
         pgid = proc.pid  # start_new_session: the child leads its own session and group
-        output = _Output(proc, log, capture)
+        if on_spawn is not None:
+            try:
+                on_spawn(pgid)
+            except Exception:
+                # Without the record a successor could not clean up; do not run unrecorded.
+                kill_process_group(pgid, 0)
+                proc.wait()
+                raise
         try:
-            if on_spawn is not None:
-                try:
-                    on_spawn(pgid)
-                except Exception:
-                    # Without the record a successor could not clean up; do not run unrecorded.
-                    kill_process_group(pgid, 0)
-                    proc.wait()
-                    raise
+            output = _Output(proc, log, capture)
+        except Exception:  # no way to watch it (out of descriptors): it must not run unwatched
+            kill_process_group(pgid, 0)
+            proc.wait()
+            raise
+        try:
             if stdin is not None:
                 threading.Thread(target=_feed, args=(proc, stdin), name=f"step-stdin-{pgid}", daemon=True).start()
             stopped_because = _watch(proc, output, cancel, None if timeout is None else began + timeout)

@@ -42,8 +42,8 @@ class _Row:
 
     def job(self, pk: int, requirements_id: int, now: dt.datetime) -> Job:
         """The Job as the insert wrote it, without reading it back."""
-        fields = {**_NEW_JOB, **self.columns, "id": pk, "requirements_id": requirements_id, "available_at": now,
-                  "created_at": now}  # fmt: skip
+        fields = {**_NEW_JOB, "summary": {}, **self.columns, "id": pk, "requirements_id": requirements_id,
+                  "available_at": now, "created_at": now}  # fmt: skip  (a summary dict of its own per Job)
         return Job.from_db(connection.alias, _JOB_FIELDS, [fields[name] for name in _JOB_FIELDS])
 
 
@@ -124,11 +124,14 @@ def _existing(keys: list[str]) -> dict[str, Job]:
 
 def _enqueue(rows: list[_Row], now: dt.datetime) -> list[tuple[Job, bool]]:
     """Insert `rows` (at most INSERT_CHUNK) in the caller's transaction; (job, created) per row, in order."""
+    firsts: dict[str, _Row] = {}
+    for row in rows:  # a key given twice: the first spec is the job (the insert must not choose)
+        firsts.setdefault(row.key, row)
     with connection.cursor() as cursor:
-        inserted = _insert(cursor, rows, now)
-        existing = _existing([row.key for row in rows if row.key not in inserted])
+        inserted = _insert(cursor, list(firsts.values()), now)
+        existing = _existing([key for key in firsts if key not in inserted])
         # Neither inserted nor there: the row's class is new. Create it, then insert those again.
-        orphans = [row for row in rows if row.key not in inserted and row.key not in existing]
+        orphans = [row for key, row in firsts.items() if key not in inserted and key not in existing]
         if orphans:
             for row in {row.digest: row for row in orphans}.values():
                 _requirement_set(row)
@@ -140,7 +143,7 @@ def _enqueue(rows: list[_Row], now: dt.datetime) -> list[tuple[Job, bool]]:
             if row.key in created or row.key not in inserted:  # an existing key, or one earlier in `rows`
                 results.append((created.get(row.key) or existing[row.key], False))
                 continue
-            job = created[row.key] = row.job(*inserted[row.key], now)
+            job = created[row.key] = firsts[row.key].job(*inserted[row.key], now)
             results.append((job, True))
         if not postgres():  # PostgreSQL's insert wrote them
             _enqueued_events(cursor, list(created.values()), now)

@@ -87,7 +87,7 @@ _INSERT_STREAM = """
 INSERT INTO queue_logstream (attempt_id, job_id, name, received, dropped, ended, created_at, updated_at)
 VALUES (%s, %s, %s, 0, 0, %s, %s, %s) RETURNING id
 """
-_LAST_CHUNK = "SELECT id, \"offset\", size, text FROM queue_logchunk WHERE stream_id = %s ORDER BY \"offset\" DESC LIMIT 1"
+_LAST_CHUNK = "SELECT id, \"offset\", size FROM queue_logchunk WHERE stream_id = %s ORDER BY \"offset\" DESC LIMIT 1"
 _INSERT_CHUNK = "INSERT INTO queue_logchunk (stream_id, \"offset\", size, text) VALUES (%s, %s, %s, %s)"
 _EXTEND_CHUNK = "UPDATE queue_logchunk SET text = text || %s, size = size + %s WHERE id = %s"
 _MOVE_STREAM = """
@@ -134,7 +134,7 @@ def _append(cursor, row: LogStream, offset: int, data: bytes) -> tuple[int, int]
     text = data.decode("utf-8")
     # Extend the last row only while it is small: each extension rewrites it whole.
     if last is not None:
-        last_id, last_offset, last_size, _ = last
+        last_id, last_offset, last_size = last
     if (
         last is not None and last_offset + last_size == offset and last_size < MERGE_BELOW
         and last_size + len(data) <= MAX_LOG_CHUNK_BYTES

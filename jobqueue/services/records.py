@@ -85,7 +85,6 @@ def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Recor
     number = fenced.number
     with connection.cursor() as cursor:  # the journal's size and whether the key is in it, in one read
         held, found = sql.one(cursor, _KEYS_OF_JOB, [key, fenced.job_id])
-    existing = None
     if not found:
         if held >= MAX_RECORDS_PER_JOB:
             raise InvalidRequest(f"a job's journal holds at most {MAX_RECORDS_PER_JOB} keys", field="key")
@@ -99,8 +98,7 @@ def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Recor
             return Record(key, state, value, number, started_by, False)
         except IntegrityError:  # another write of the same key came first: decide against it
             pass
-    if existing is None:
-        existing = JobRecord.objects.get(job_id=fenced.job_id, key=key)
+    existing = JobRecord.objects.get(job_id=fenced.job_id, key=key)
     if existing.state == RecordState.DONE:
         return _of(existing, already_done=True)
     # The first attempt that started it stays `started_by`: a resent write of a later attempt still

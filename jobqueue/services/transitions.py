@@ -71,6 +71,10 @@ def attempt_and_job_move(cursor, *, attempt: dict, job: dict, event: tuple, foll
         job_move(cursor, follow_ups=follow_ups, **job)
         cursor.execute(sql.INSERT_EVENT, list(event))
         return
+    # The follow-ups and their event first, as on SQLite (job_move writes them before the finish's
+    # event); a move that then finds its row moved raises LostUpdate and rolls them back with it.
+    job_columns = {k: v for k, v in job.items() if k not in ("job_id", "old", "new")}
+    _settled(cursor, job["job_id"], job["new"], follow_ups, job_columns)
     shapes, params = [], []
     for table, transitions, spec, id_name in (
         ("queue_attempt", ATTEMPT_TRANSITIONS, attempt, "attempt_id"),
@@ -87,8 +91,6 @@ def attempt_and_job_move(cursor, *, attempt: dict, job: dict, event: tuple, foll
     for (table, _), count, spec, id_name in zip(shapes, counts, (attempt, job), ("attempt_id", "job_id"), strict=True):
         if count != 1:
             raise LostUpdate(f"{table} {spec[id_name]} was not {spec['old']} any more (moving to {spec['new']})")
-    job_columns = {k: v for k, v in job.items() if k not in ("job_id", "old", "new")}
-    _settled(cursor, job["job_id"], job["new"], follow_ups, job_columns)
 
 
 def attempt_move(cursor, *, attempt_id: int, old: str, new: str, **columns) -> None:

@@ -162,8 +162,9 @@ def _wal_writes(path: str) -> int | None:
 
 def _written(writes: int, timeout: float) -> bool:
     """Wait at most `timeout` for a write to the WAL; True when one came (its events are read)."""
-    ready, _, _ = select.select([writes], [], [], timeout)
-    if not ready:
+    poller = select.poll()  # not select(): a descriptor past 1023 (a listener with many sockets) is fine
+    poller.register(writes, select.POLLIN)
+    if not poller.poll(max(0, int(timeout * 1000))):
         return False
     try:
         while os.read(writes, 4096):

@@ -14,7 +14,7 @@ import requests
 from jobqueue import longpoll
 from jobqueue.api import asgi
 from jobqueue.models import Attempt
-from jobqueue.wakeup import notifier
+from jobqueue.wakeup import notifier, watch
 from tests.api.conftest import CANARY, credential_for
 from tests.asgi_server import AsgiServer
 from tests.factories import claim, enqueue, register
@@ -75,6 +75,7 @@ def test_waiting_long_polls_hold_no_thread_and_heartbeats_pass(asgi_server, cloc
     idle = [register(f"idle-{i}") for i in range(40)]
     for worker in [busy, *idle]:
         credential_for(worker.worker_id)  # before the count: the pollers' threads must not issue them
+    watch.ensure_running()  # the process's one watcher thread, whichever test started it first: not a waiter's
     before = threading.active_count()
     results: list = []
     pollers = [threading.Thread(target=long_poll, args=(asgi_server, w, 30, results)) for w in idle]

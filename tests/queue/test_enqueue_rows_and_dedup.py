@@ -65,6 +65,16 @@ def test_keys_already_queued_or_earlier_in_the_batch_create_nothing(clock):
     assert len(after["Job"]) == 2 and len(after["JobEvent"]) == 2  # one job and one event more: "new"'s
 
 
+def test_a_key_given_twice_is_the_first_spec_even_when_only_the_second_has_a_known_class(clock):
+    enqueue_many([spec("known")])  # the plain class exists; the "gpu" one does not yet
+    results = enqueue_many([spec("twice", labels=["gpu"], priority=1), spec("twice", priority=2)])
+    (first, created), (second, again) = results
+    assert (created, again) == (True, False) and second.pk == first.pk
+    stored = Job.objects.get(key="twice")
+    assert columns(first) == columns(stored)  # what was returned is what was stored
+    assert (stored.priority, stored.requirements.labels) == (1, ["gpu"])  # the first spec's
+
+
 def test_a_class_no_job_had_is_created_once_for_all_its_jobs(clock):
     results = enqueue_many([spec(f"k{i}", labels=["gpu"]) for i in range(3)] + [spec("plain")])
     assert all(created for _, created in results)

@@ -10,17 +10,25 @@ queued behind it."""
 import threading
 
 import pytest
-from django.db import OperationalError
+from django.db import OperationalError, connection
 
 from jobqueue import services
+from jobqueue.clock import get_clock
 from jobqueue.exceptions import StaleAttempt, Unavailable
 from jobqueue.groupcommit import GroupCommitter
-from jobqueue.models import Attempt, AttemptState, Job, JobState
+from jobqueue.models import Attempt, AttemptState, Job, JobEvent, JobState
 from tests.factories import claim, enqueue_job, make_task, register
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 THREADS = 6
+
+
+@pytest.fixture(params=[False, True], ids=["leader", "dedicated"])
+def committer(request):
+    """Both ways of committing: one of the callers leads, or a thread of the committer's own
+    (the embedded worker's transport uses that one)."""
+    return GroupCommitter(dedicated=request.param)
 
 
 def _claims(n: int):
@@ -78,9 +86,8 @@ class _HeldFirstCommit:
             raise AssertionError("the other calls never queued")
 
 
-def test_calls_made_during_a_commit_share_the_next_one_and_each_gets_its_own_answer():
+def test_calls_made_during_a_commit_share_the_next_one_and_each_gets_its_own_answer(committer):
     claims = _claims(THREADS)
-    committer = GroupCommitter()
     held = committer.before_commit = _HeldFirstCommit(committer, THREADS - 1)
     first = threading.Thread(target=lambda: _in_threads([lambda: _finish(committer, claims[0])]))
     first.start()
@@ -94,9 +101,8 @@ def test_calls_made_during_a_commit_share_the_next_one_and_each_gets_its_own_ans
     assert Job.objects.filter(state=JobState.SUCCEEDED).count() == THREADS
 
 
-def test_a_refused_call_leaves_the_others_of_its_commit_written():
+def test_a_refused_call_leaves_the_others_of_its_commit_written(committer):
     claims = _claims(3)
-    committer = GroupCommitter()
     held = committer.before_commit = _HeldFirstCommit(committer, 2)
     first = threading.Thread(target=lambda: _in_threads([lambda: _finish(committer, claims[0])]))
     first.start()
@@ -113,9 +119,8 @@ def test_a_refused_call_leaves_the_others_of_its_commit_written():
     assert states[claims[2].attempt_id] == AttemptState.SUCCEEDED
 
 
-def test_a_commit_that_fails_answers_every_call_in_it_unavailable_and_writes_none():
+def test_a_commit_that_fails_answers_every_call_in_it_unavailable_and_writes_none(committer):
     claims = _claims(THREADS)
-    committer = GroupCommitter()
     held = _HeldFirstCommit(committer, THREADS - 1)
 
     def fail_second(size: int) -> None:
@@ -135,6 +140,80 @@ def test_a_commit_that_fails_answers_every_call_in_it_unavailable_and_writes_non
     assert all(isinstance(a, Unavailable) for a in answers), answers
     assert Job.objects.filter(state=JobState.SUCCEEDED).count() == 1  # only the first commit's
     assert Attempt.objects.filter(state=AttemptState.ACTIVE).count() == THREADS - 1
+
+
+def _writes_then_refuses(*, job_id: int):
+    """A call that writes (an event row), then is refused: its write must not stay."""
+    from jobqueue.services.common import event
+
+    with connection.cursor() as cursor:
+        event(cursor, job_id=job_id, kind="half-written", at=get_clock().now())
+    raise StaleAttempt("refused after writing")
+
+
+_writes_then_refuses.body = _writes_then_refuses
+
+
+def _breaks_the_transaction(*, job_id: int):
+    """What Django leaves when a savepoint cannot be rolled back (a lost connection, a full disk):
+    the transaction is marked for rollback, and would end without a word."""
+    connection.needs_rollback = True
+
+
+_breaks_the_transaction.body = _breaks_the_transaction
+
+
+def _grouped(committer, first, others) -> list:
+    """`first` alone in a held-open commit, then `others` (callables) queued behind it: their answers."""
+    held = committer.before_commit = _HeldFirstCommit(committer, len(others))
+    lead = threading.Thread(target=lambda: _in_threads([first]))
+    lead.start()
+    while not held.sizes:
+        threading.Event().wait(0.005)
+    answers = _in_threads(others)
+    lead.join(30)
+    assert held.sizes[0] == 1  # the others queued behind it, together (a broken batch never reaches its COMMIT)
+    return answers
+
+
+def test_a_call_that_wrote_before_it_was_refused_leaves_no_write_and_the_others_commit(committer):
+    claims = _claims(3)
+    job_id = claims[1].job_id
+    refused, good = _grouped(committer, lambda: _finish(committer, claims[0]), [
+        lambda: committer.call(_writes_then_refuses, job_id=job_id), lambda: _finish(committer, claims[2]),
+    ])  # fmt: skip
+    assert isinstance(refused, StaleAttempt) and good == JobState.SUCCEEDED
+    assert not JobEvent.objects.filter(kind="half-written").exists()
+    assert Job.objects.filter(state=JobState.SUCCEEDED).count() == 2
+
+
+def test_a_call_that_breaks_the_transaction_gets_every_call_of_its_commit_answered_unavailable(committer):
+    claims = _claims(3)
+    answers = _grouped(committer, lambda: _finish(committer, claims[0]), [
+        lambda: _finish(committer, claims[1]), lambda: committer.call(_breaks_the_transaction, job_id=claims[2].job_id),
+    ])  # fmt: skip
+    assert all(isinstance(a, Unavailable) for a in answers), answers  # none answered as done: nothing of it stayed
+    assert Job.objects.filter(state=JobState.SUCCEEDED).count() == 1
+
+
+def test_a_dedicated_committer_commits_deferred_calls_and_flush_waits_for_them():
+    (c,) = _claims(1)
+    committer = GroupCommitter(dedicated=True)
+    _in_threads([lambda: (committer.defer(services.attempt_finish, attempt_id=c.attempt_id, token=c.token,
+                                          outcome="succeeded"), committer.flush())])  # fmt: skip
+    assert Job.objects.get().state == JobState.SUCCEEDED
+
+
+def test_a_dedicated_committer_idle_past_its_time_starts_again_with_the_next_call(monkeypatch):
+    claims = _claims(2)
+    committer = GroupCommitter(dedicated=True)
+    monkeypatch.setattr(GroupCommitter, "IDLE_SECONDS", 0.01)
+    assert _in_threads([lambda: _finish(committer, claims[0])]) == [JobState.SUCCEEDED]
+    for _ in range(500):  # the thread ends once idle
+        if not any(t.name == "apiary-commit" and t.is_alive() for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.01)
+    assert _in_threads([lambda: _finish(committer, claims[1])]) == [JobState.SUCCEEDED]
 
 
 def test_a_deferred_call_is_committed_by_its_caller_when_nobody_is_committing():
