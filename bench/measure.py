@@ -22,10 +22,11 @@ Kinds:
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
+
+from bench.together import run_together
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPABILITIES = ["apiary.workflow", "runner:shell"]
@@ -106,29 +107,8 @@ def run_throughput(spec: dict) -> dict:
     connection.close()  # the claimers own the database from here
 
     threads = spec.get("threads", 1)
-    claimers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "bench.measure", "claimer", json.dumps({"worker_id": f"bench-{i}", "threads": threads})],
-            cwd=REPO,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(procs)
-    ]
-    try:
-        for proc in claimers:  # each has set up Django and registered before the clock starts
-            line = proc.stdout.readline()
-            if line.strip() != "READY":
-                raise RuntimeError(f"claimer did not get ready: {line!r}")
-        for proc in claimers:
-            proc.stdin.write("GO\n")
-            proc.stdin.flush()
-        results = [_result_of(proc.communicate(timeout=600)[0]) for proc in claimers]
-    finally:
-        for proc in claimers:
-            if proc.poll() is None:
-                proc.kill()
+    specs = [["claimer", json.dumps({"worker_id": f"bench-{i}", "threads": threads})] for i in range(procs)]
+    results = run_together("bench.measure", specs, cwd=REPO, what="claimer", timeout=600)
     claimed = sum(r["claimed"] for r in results)
     span = max(r["end"] for r in results) - min(r["start"] for r in results)
     # Sanity: the lifecycle really ran, once per job.
@@ -150,13 +130,6 @@ def run_throughput(spec: dict) -> dict:
         "per_process": [r["claimed"] for r in results],
         "unavailable_retries": sum(r["retries"] for r in results),
     }
-
-
-def _result_of(stdout: str) -> dict:
-    for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"no RESULT line in child output: {stdout[-500:]!r}")
 
 
 def run_claimer(spec: dict) -> dict:

@@ -24,10 +24,11 @@ import importlib
 import io
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
+
+from bench.together import run_together
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTDB_SETTINGS = "peers_dtdb_settings"
@@ -45,36 +46,8 @@ def log(message: str) -> None:
 def drain(kind: str, spec: dict, procs: int) -> list[dict]:
     """Start `procs` workers of `kind`, wait until all have set up, send GO to
     all, and return their RESULTs."""
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "bench.peers_systems", kind, json.dumps(spec | {"index": i})],
-            cwd=REPO,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(procs)
-    ]
-    try:
-        for proc in workers:
-            line = proc.stdout.readline()
-            if line.strip() != "READY":
-                raise RuntimeError(f"{kind} worker did not get ready: {line!r} (exit {proc.poll()})")
-        for proc in workers:
-            proc.stdin.write("GO\n")
-            proc.stdin.flush()
-        return [result_of(proc.communicate(timeout=DRAIN_TIMEOUT)[0]) for proc in workers]
-    finally:
-        for proc in workers:
-            if proc.poll() is None:
-                proc.kill()
-
-
-def result_of(stdout: str) -> dict:
-    for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"no RESULT line in worker output: {stdout[-500:]!r}")
+    specs = [[kind, json.dumps(spec | {"index": i})] for i in range(procs)]
+    return run_together("bench.peers_systems", specs, cwd=REPO, what=f"{kind} worker", timeout=DRAIN_TIMEOUT)
 
 
 def ready_then_go() -> tuple[float, float]:
