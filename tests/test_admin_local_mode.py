@@ -5,7 +5,6 @@ daemon, its real listener, real HTTP."""
 import contextlib
 import signal
 import socket
-import textwrap
 import urllib.error
 import urllib.request
 
@@ -52,19 +51,17 @@ def daemon_of(config):
         daemon.stop()
 
 
+def _config(tmp_path, *settings: str):
+    """A project with one shell agent and the given `settings:` lines (flow-style YAML)."""
+    config = tmp_path / "apiary.yaml"
+    lines = "".join(f"  {line}\n" for line in settings)
+    config.write_text(f"project: local\nsettings:\n{lines}agents:\n  - {{id: sh, runner: shell, command: cat}}\n")
+    return config
+
+
 def test_admin_listen_serves_the_admin_and_answers_404_for_the_worker_protocol(tmp_path):
     port = free_port()
-    config = tmp_path / "apiary.yaml"
-    config.write_text(textwrap.dedent(f"""\
-        project: local
-        settings:
-          admin:
-            listen: 127.0.0.1:{port}
-        agents:
-          - id: sh
-            runner: shell
-            command: cat
-        """))
+    config = _config(tmp_path, f"admin: {{listen: 127.0.0.1:{port}}}")
     with daemon_of(config) as daemon:
         base = f"http://127.0.0.1:{port}"
         status, page = wait_for(lambda: answering(f"{base}/admin/login/"), timeout=STARTUP, what="the admin", daemon=daemon)
@@ -81,20 +78,10 @@ def test_beside_the_queue_listener_only_the_protocols_port_answers_the_protocol(
     """Both listens in one listener: the admin's port 404s the protocol, the protocol's port serves it."""
     admin_port, queue_port = free_port(), free_port()
     token = "t" * 40
-    config = tmp_path / "apiary.yaml"
-    config.write_text(textwrap.dedent(f"""\
-        project: local
-        settings:
-          admin:
-            listen: 127.0.0.1:{admin_port}
-          queue:
-            listen: 127.0.0.1:{queue_port}
-            worker_token: {token}
-        agents:
-          - id: sh
-            runner: shell
-            command: cat
-        """))
+    config = _config(
+        tmp_path, f"admin: {{listen: 127.0.0.1:{admin_port}}}",
+        f"queue: {{listen: 127.0.0.1:{queue_port}, worker_token: {token}}}",
+    )  # fmt: skip
     with daemon_of(config) as daemon:
         admin, protocol = f"http://127.0.0.1:{admin_port}", f"http://127.0.0.1:{queue_port}"
         wait_for(lambda: answering(f"{admin}/admin/login/"), timeout=STARTUP, what="the admin", daemon=daemon)
