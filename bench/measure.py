@@ -156,7 +156,7 @@ def run_claimer(spec: dict) -> dict:
     if threads == 1:
         counts = _drain_serially(worker, lambda service, **kwargs: service(**kwargs))
     else:
-        counts = _drain_in_threads(worker, threads, GroupCommitter(dedicated=True).call)  # as the embedded worker's
+        counts = _drain_in_threads(worker, threads, GroupCommitter().call)  # as the embedded worker's
     end = time.monotonic()
     return {**counts, "start": start, "end": end, "cpu": time.process_time() - cpu}
 

@@ -14,13 +14,12 @@ that fails, or a transaction that a call left broken, answers every call
 in it `Unavailable`, with none of them written. No call waits for
 company: a call with nobody committing commits at once, alone.
 
-Who commits: by default one of the callers (the leader), on its own Django
-connection, which hands the next batch to the first caller still waiting.
-With `dedicated=True` a thread of the committer's own makes every commit on
-its one connection (the embedded worker's transport: its job and log-sender
-threads come and go, and each would otherwise open a connection to lead).
-A call made inside a transaction of the caller's own (a test's) runs there,
-as the plain service would.
+Who commits: a thread of the committer's own, on its one connection; the
+callers only wait (the embedded worker's job and log-sender threads come and
+go, and each would otherwise open a connection of its own). The thread ends
+after IDLE_SECONDS without a call and starts again with the next, so a
+committer nobody uses holds no connection. A call made inside a transaction
+of the caller's own (a test's) runs there, as the plain service would.
 
 `call(service, **kwargs)` takes a function made with `services.common.service`
 (its body runs here: `service.body`); `defer(...)` queues one that nobody
@@ -46,29 +45,20 @@ class _Call:
     body: Callable
     kwargs: dict
     waiting: bool  # a caller waits for the answer (False: deferred)
-    wake: threading.Event = dataclasses.field(default_factory=threading.Event)
-    finished: bool = False  # set, then `wake`, when the commit holding it is over
-    lead: bool = False  # set, then `wake`, when this caller is to commit the next batch
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)  # the commit holding it is over
     result: object = None
     error: BaseException | None = None
 
 
 class GroupCommitter:
-    """`dedicated=True`: one thread of the committer's own makes every commit, on its one
-    connection, and the callers only wait. For callers that come and go (a thread per job,
-    a log sender per job), which would otherwise each open a database connection of their own
-    to lead a commit. The thread ends after IDLE_SECONDS without a call (and starts again
-    with the next), so a committer nobody uses holds no connection."""
-
     IDLE_SECONDS = 5.0
 
-    def __init__(self, *, max_batch: int = MAX_BATCH, dedicated: bool = False):
+    def __init__(self, *, max_batch: int = MAX_BATCH):
         self.max_batch = max_batch
-        self.dedicated = dedicated
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)  # dedicated: calls are queued
+        self._ready = threading.Condition(self._lock)  # calls are queued
         self._pending: list[_Call] = []
-        self._leading = False  # a thread is committing, or has been handed the next batch (dedicated: it runs)
+        self._running = False  # the committing thread runs
         self.before_commit: Callable[[int], None] = lambda size: None  # tests: the point to kill a process at
 
     def call(self, service: Callable, /, **kwargs):
@@ -76,21 +66,14 @@ class GroupCommitter:
         item = _Call(_body(service), kwargs, waiting=True)
         if connection.in_atomic_block:  # the caller's own transaction: no one else's calls belong in it
             return _run_one(item.body, kwargs)
-        if self._enqueue(item):
-            self._lead()
-        while not item.finished:
-            item.wake.wait()
-            item.wake.clear()  # the flags are read after the clear: a wake set meanwhile is not lost
-            if item.lead:  # handed the next batch (ours is in it, or in one after it)
-                item.lead = False
-                self._lead()
+        self._enqueue(item)
+        item.done.wait()
         if item.error is not None:
             raise item.error
         return item.result
 
     def defer(self, service: Callable, /, **kwargs) -> None:
-        """`service(**kwargs)` with the next commit; nobody waits for it. When nobody is
-        committing the caller commits it now. Its errors are logged, not raised."""
+        """`service(**kwargs)` with the next commit; nobody waits for it. Its errors are logged, not raised."""
         item = _Call(_body(service), kwargs, waiting=False)
         if connection.in_atomic_block:
             try:
@@ -98,48 +81,32 @@ class GroupCommitter:
             except (QueueError, DatabaseError) as exc:
                 log.warning("deferred %s failed: %s", item.body.__name__, exc)
             return
-        if self._enqueue(item):
-            self._lead()
+        self._enqueue(item)
 
     def flush(self) -> None:
-        """Commit what is deferred now, if nobody is committing (at shutdown); with a
-        dedicated thread, wait until it has committed everything queued before this call."""
-        if self.dedicated:
-            self.call(_nothing)
-            return
-        with self._lock:
-            lead = bool(self._pending) and not self._leading
-            self._leading = self._leading or lead
-        if lead:
-            self._lead()
+        """Wait until everything queued before this call is committed (at shutdown)."""
+        self.call(_nothing)
 
-    def _enqueue(self, item: _Call) -> bool:
-        """Queue `item`; True when the caller is to commit (nobody is)."""
+    def _enqueue(self, item: _Call) -> None:
         with self._lock:
             self._pending.append(item)
-            if self.dedicated:
-                if not self._leading:
-                    self._start_thread()
-                self._ready.notify()
-                return False
-            if self._leading:
-                return False
-            self._leading = True
-            return True
+            if not self._running:
+                self._start_thread()
+            self._ready.notify()
 
     def _start_thread(self) -> None:
-        """Under the lock: the dedicated thread, started (a failure to start leaves no one
+        """Under the lock: the committing thread, started (a failure to start leaves no one
         marked as committing, and the caller sees the error)."""
-        self._leading = True
+        self._running = True
         try:
             threading.Thread(target=self._serve, name="apiary-commit", daemon=True).start()
         except BaseException:
-            self._leading = False
+            self._running = False
             self._pending.clear()
             raise
 
     def _serve(self) -> None:
-        """The dedicated thread: commit what is queued, until idle for IDLE_SECONDS."""
+        """The committing thread: commit what is queued, until idle for IDLE_SECONDS."""
         idle = False
         try:
             while True:
@@ -147,7 +114,7 @@ class GroupCommitter:
                     if not self._pending:
                         self._ready.wait(self.IDLE_SECONDS)
                     if not self._pending:
-                        self._leading, idle = False, True  # the next call starts a thread again
+                        self._running, idle = False, True  # the next call starts a thread again
                         return
                     batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
                 try:
@@ -160,37 +127,9 @@ class GroupCommitter:
             connection.close()
             if not idle:  # torn out of the loop: a thread must still answer what is queued
                 with self._lock:
-                    self._leading = False
+                    self._running = False
                     if self._pending:
                         self._start_thread()
-
-    def _lead(self) -> None:
-        """Commit batches until a waiting caller can take over or nothing is left."""
-        try:
-            while True:
-                with self._lock:
-                    batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
-                if batch:
-                    self._commit(batch)
-                if self._hand_over():
-                    return
-        except BaseException:  # torn out of the loop: leadership must never be lost
-            self._hand_over(give_up=True)
-            raise
-
-    def _hand_over(self, *, give_up: bool = False) -> bool:
-        """After a commit: pass the lead to the first waiting caller, or end it when nothing is
-        queued; False when only deferred calls are queued (the leader commits them too)."""
-        with self._lock:
-            heir = next((item for item in self._pending if item.waiting), None)
-            if heir is None:
-                if self._pending and not give_up:
-                    return False  # decided under the lock: a call queued from now on finds us leading
-                self._leading = False
-                return True
-        heir.lead = True  # it commits the next batch (its own among it) on its own connection
-        heir.wake.set()
-        return True
 
     def _commit(self, batch: list[_Call]) -> bool:
         """Commit the batch and answer every call in it; False when the commit itself failed."""
@@ -213,8 +152,7 @@ class GroupCommitter:
                     item.result, item.error = None, failed
                 if item.error is not None and not item.waiting:
                     log.warning("deferred %s failed: %s", item.body.__name__, item.error)
-                item.finished = True
-                item.wake.set()
+                item.done.set()
         return failed is None
 
     def _commit_together(self, batch: list[_Call]) -> bool:
@@ -258,8 +196,8 @@ class GroupCommitter:
                     raise _Refused from exc
                 _require_intact()
                 self.before_commit(1)
-        except _Refused:
-            _forget_uncommitted()
+        except _Refused:  # alone, it rolled back only its own writes: no other call's class was cached
+            pass
 
 
 def _require_intact() -> None:

@@ -91,7 +91,7 @@ class InProcessTransport:
         self.worker_id = worker_id
         # A thread of its own commits: job and log-sender threads come and go, and each would
         # otherwise open a database connection of its own (about 1.5 ms of CPU) to lead a commit.
-        self.committer = committer or GroupCommitter(dedicated=True)
+        self.committer = committer or GroupCommitter()
 
     def register(self, spec: WorkerSpec) -> Registration:
         close_old_connections()

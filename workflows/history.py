@@ -4,6 +4,7 @@ import datetime as dt
 
 from django.db import connection
 
+from jobqueue import sql
 from jobqueue.types import Claim
 
 from . import payload
@@ -56,12 +57,12 @@ class DatabaseHistory:
         instance_id = payload.read(claim).instance_id
         self._send(_STARTED, (
             instance_id, claim.attempt_number, step_id, worker_id,
-            connection.ops.adapt_datetimefield_value(started_at), log_path,
+            sql.ts(started_at), log_path,
         ))  # fmt: skip
 
     def step_finished(self, *, claim: Claim, worker_id: str, step_id: str, result) -> None:
         instance_id = payload.read(claim).instance_id
         self._send(_FINISHED, (
-            result.status, connection.ops.adapt_datetimefield_value(result.ended_at), result.exit_code,
+            result.status, sql.ts(result.ended_at), result.exit_code,
             result.output_tail, instance_id, claim.attempt_number, step_id,
         ))  # fmt: skip

@@ -1,6 +1,6 @@
 """Child process of tests/queue/test_group_commit_kill.py: finishes through a group committer.
 
-    python -m tests.queue.groupcommit_child --jobs N --threads T --hold-batch K [--migrate] [--dedicated]
+    python -m tests.queue.groupcommit_child --jobs N --threads T --hold-batch K [--migrate]
 
 Enqueues N jobs, claims them all for one worker, then T threads finish them
 through one GroupCommitter and print `ACK <attempt id>` the moment each finish
@@ -29,7 +29,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--hold-batch", type=int, required=True)
     parser.add_argument("--migrate", action="store_true")
-    parser.add_argument("--dedicated", action="store_true", help="commit on the committer's own thread")
     args = parser.parse_args()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "apiary_site.settings")
     import django
@@ -49,7 +48,7 @@ def main() -> None:
     worker = register(capacity=args.jobs)
     claims = services.jobs_claim(worker_id=worker.worker_id, session=worker.session, max_jobs=args.jobs)
     connection.close()
-    committer = GroupCommitter(dedicated=args.dedicated)
+    committer = GroupCommitter()
     grouped = 0
     in_batch: list[int] = []  # attempt ids of the finishes the commit being made holds
 

@@ -24,11 +24,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 THREADS = 6
 
 
-@pytest.fixture(params=[False, True], ids=["leader", "dedicated"])
-def committer(request):
-    """Both ways of committing: one of the callers leads, or a thread of the committer's own
-    (the embedded worker's transport uses that one)."""
-    return GroupCommitter(dedicated=request.param)
+@pytest.fixture
+def committer():
+    return GroupCommitter()
 
 
 def _claims(n: int):
@@ -196,17 +194,17 @@ def test_a_call_that_breaks_the_transaction_gets_every_call_of_its_commit_answer
     assert Job.objects.filter(state=JobState.SUCCEEDED).count() == 1
 
 
-def test_a_dedicated_committer_commits_deferred_calls_and_flush_waits_for_them():
+def test_deferred_calls_are_committed_and_flush_waits_for_them():
     (c,) = _claims(1)
-    committer = GroupCommitter(dedicated=True)
+    committer = GroupCommitter()
     _in_threads([lambda: (committer.defer(services.attempt_finish, attempt_id=c.attempt_id, token=c.token,
                                           outcome="succeeded"), committer.flush())])  # fmt: skip
     assert Job.objects.get().state == JobState.SUCCEEDED
 
 
-def test_a_dedicated_committer_idle_past_its_time_starts_again_with_the_next_call(monkeypatch):
+def test_a_committer_idle_past_its_time_starts_again_with_the_next_call(monkeypatch):
     claims = _claims(2)
-    committer = GroupCommitter(dedicated=True)
+    committer = GroupCommitter()
     monkeypatch.setattr(GroupCommitter, "IDLE_SECONDS", 0.01)
     assert _in_threads([lambda: _finish(committer, claims[0])]) == [JobState.SUCCEEDED]
     for _ in range(500):  # the thread ends once idle
@@ -214,16 +212,6 @@ def test_a_dedicated_committer_idle_past_its_time_starts_again_with_the_next_cal
             break
         threading.Event().wait(0.01)
     assert _in_threads([lambda: _finish(committer, claims[1])]) == [JobState.SUCCEEDED]
-
-
-def test_a_deferred_call_is_committed_by_its_caller_when_nobody_is_committing():
-    (c,) = _claims(1)
-    committer = GroupCommitter()
-    sizes = []
-    committer.before_commit = sizes.append
-    _in_threads([lambda: committer.defer(services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")])
-    assert sizes == [1]
-    assert Job.objects.get().state == JobState.SUCCEEDED
 
 
 def test_a_call_inside_the_callers_own_transaction_runs_there():

@@ -42,8 +42,7 @@ def _finished(database: dict[str, str]) -> set[int]:
         connect.close()
 
 
-@pytest.mark.parametrize("dedicated", [False, True], ids=["leader", "dedicated"])
-def test_a_kill_between_a_grouped_batch_and_its_answers_loses_no_acknowledged_finish(tmp_path, live_database_url, dedicated):
+def test_a_kill_between_a_grouped_batch_and_its_answers_loses_no_acknowledged_finish(tmp_path, live_database_url):
     if live_database_url:
         database, extra = {"DATABASE_URL": live_database_url}, []
     else:
@@ -56,7 +55,7 @@ def test_a_kill_between_a_grouped_batch_and_its_answers_loses_no_acknowledged_fi
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     command = [sys.executable, "-m", "tests.queue.groupcommit_child", "--jobs", str(JOBS), "--threads", str(THREADS)]
-    command += ["--hold-batch", str(HOLD_BATCH), *extra, *(["--dedicated"] if dedicated else [])]
+    command += ["--hold-batch", str(HOLD_BATCH), *extra]
     stderr = (tmp_path / "child.stderr").open("w")
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines: queue.SimpleQueue = queue.SimpleQueue()  # a reader thread: select() cannot see lines already buffered
