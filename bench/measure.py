@@ -11,8 +11,8 @@ Kinds:
               services.job_enqueue (timed), then start P claimer processes and
               time them draining the queue.
   claimer     one claiming process: register one worker, wait for GO on stdin,
-              loop jobs_claim(max_jobs=1) -> attempt_finish(succeeded) until
-              the queue is empty.
+              loop claim_round(max_jobs=1) -> attempt_finish(succeeded) until
+              a round comes back starved (the queue is empty).
   depth       fresh DB: bulk-fill DEPTH queued jobs (one RequirementSet),
               EXPLAIN the claim's candidate query once, then time claim calls
               (each followed by an untimed finish) in batches the parent asks
@@ -176,8 +176,11 @@ def _drain_serially(worker, call) -> dict:
 
     counts = {"claimed": 0, "retries": 0}
     fence = {"worker_id": worker.worker_id, "session": worker.session}
-    while batch := _retried(counts, call, services.jobs_claim, **fence, max_jobs=1):
-        for c in batch:
+    while True:
+        got = _retried(counts, call, services.claim_round, **fence, max_jobs=1)
+        if got.starved:  # every job is claimed (an empty round that only met other claims' locks is not)
+            break
+        for c in got.claims:
             _retried(counts, call, services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
             counts["claimed"] += 1
     return counts
@@ -218,12 +221,12 @@ def _drain_in_threads(worker, threads: int, call) -> dict:
         free = 1
         while slots.acquire(blocking=False):
             free += 1
-        batch = _retried(counts, call, services.jobs_claim, **fence, max_jobs=free)
-        for _ in range(free - len(batch)):
+        got = _retried(counts, call, services.claim_round, **fence, max_jobs=free)
+        for _ in range(free - len(got.claims)):
             slots.release()
-        if not batch:  # every job is claimed: the job threads finish what they hold
+        if got.starved:  # every job is claimed: the job threads finish what they hold
             break
-        for c in batch:
+        for c in got.claims:
             work.put(c)
     for _ in pool:
         work.put(None)

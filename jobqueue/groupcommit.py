@@ -26,12 +26,19 @@ of the caller's own (a test's) runs there, as the plain service would.
 waits for (step history), committed with the next batch.
 """
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable
 
-from django.db import DatabaseError, OperationalError, close_old_connections, connection, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    OperationalError,
+    close_old_connections,
+    connection,
+    connections,
+    transaction,
+)
 
 from .exceptions import QueueError, Unavailable
 
@@ -40,14 +47,32 @@ log = logging.getLogger("apiary.queue")
 MAX_BATCH = 256  # calls per commit: bounds how long one commit holds SQLite's write lock
 
 
-@dataclasses.dataclass(eq=False)
 class _Call:
-    body: Callable
-    kwargs: dict
-    waiting: bool  # a caller waits for the answer (False: deferred)
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)  # the commit holding it is over
-    result: object = None
-    error: BaseException | None = None
+    """One call in line. `done` is held from the start and released once the commit holding the
+    call is over: a plain lock is the cheapest one-shot signal between two threads."""
+
+    __slots__ = ("body", "kwargs", "waiting", "done", "result", "error")
+
+    def __init__(self, body: Callable, kwargs: dict, *, waiting: bool):
+        self.body, self.kwargs, self.waiting = body, kwargs, waiting  # waiting: a caller waits (not deferred)
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.result: object = None
+        self.error: BaseException | None = None
+
+
+_local = threading.local()
+
+
+def _in_transaction() -> bool:
+    """Whether the calling thread is inside a transaction of its own. Each thread's connection
+    wrapper is kept for the thread's life, so it is looked up once per thread: Django's
+    per-thread lookup costs more than a small call's own work here."""
+    try:
+        wrapper = _local.connection
+    except AttributeError:
+        wrapper = _local.connection = connections[DEFAULT_DB_ALIAS]
+    return wrapper.in_atomic_block
 
 
 class GroupCommitter:
@@ -64,10 +89,10 @@ class GroupCommitter:
     def call(self, service: Callable, /, **kwargs):
         """`service(**kwargs)`, committed with whatever other calls are queued; its result or error."""
         item = _Call(_body(service), kwargs, waiting=True)
-        if connection.in_atomic_block:  # the caller's own transaction: no one else's calls belong in it
+        if _in_transaction():  # the caller's own transaction: no one else's calls belong in it
             return _run_one(item.body, kwargs)
         self._enqueue(item)
-        item.done.wait()
+        item.done.acquire()
         if item.error is not None:
             raise item.error
         return item.result
@@ -75,7 +100,7 @@ class GroupCommitter:
     def defer(self, service: Callable, /, **kwargs) -> None:
         """`service(**kwargs)` with the next commit; nobody waits for it. Its errors are logged, not raised."""
         item = _Call(_body(service), kwargs, waiting=False)
-        if connection.in_atomic_block:
+        if _in_transaction():
             try:
                 _run_one(item.body, kwargs)
             except (QueueError, DatabaseError) as exc:
@@ -152,7 +177,7 @@ class GroupCommitter:
                     item.result, item.error = None, failed
                 if item.error is not None and not item.waiting:
                     log.warning("deferred %s failed: %s", item.body.__name__, item.error)
-                item.done.set()
+                item.done.release()
         return failed is None
 
     def _commit_together(self, batch: list[_Call]) -> bool:
@@ -160,16 +185,22 @@ class GroupCommitter:
         False, with nothing written, when a call failed: the batch is then run again apart."""
         try:
             with transaction.atomic(durable=True):
-                for item in batch:
+                for body, items in _by_body(batch):
                     try:
-                        item.result = item.body(**item.kwargs)
+                        many = getattr(body, "many", None)  # the service's body for many calls at once
+                        if len(items) > 1 and many is not None:
+                            for item, (result, error) in zip(items, many([i.kwargs for i in items]), strict=True):
+                                item.result, item.error = result, error
+                        else:
+                            for item in items:
+                                item.result = item.body(**item.kwargs)
                     except Exception as exc:  # noqa: BLE001 - rolls the batch back; _commit_apart answers it
                         raise _Refused from exc
                 _require_intact()
                 self.before_commit(len(batch))
         except _Refused:
             for item in batch:
-                item.result = None
+                item.result = item.error = None
             _forget_uncommitted()
             return False
         return True
@@ -198,6 +229,16 @@ class GroupCommitter:
                 self.before_commit(1)
         except _Refused:  # alone, it rolled back only its own writes: no other call's class was cached
             pass
+
+
+def _by_body(batch: list[_Call]) -> list[tuple[Callable, list[_Call]]]:
+    """The batch's calls by service, in the order each service first appears. Calls that
+    shared a batch were all made before any of them was answered: any order is one they
+    could have run in, so a service's calls may run together (its `many`)."""
+    groups: dict[Callable, list[_Call]] = {}
+    for item in batch:
+        groups.setdefault(item.body, []).append(item)
+    return list(groups.items())
 
 
 def _require_intact() -> None:

@@ -108,13 +108,6 @@ def candidates(ids: int, postgres: bool) -> str:
     return statement + (" FOR UPDATE OF j SKIP LOCKED" if postgres else "")
 
 
-INSERT_ATTEMPT = """
-INSERT INTO queue_attempt (job_id, number, worker_id, session, token_hash, state, claimed_at, lease_expires_at,
-                           error, job_state)
-VALUES (%s, %s, %s, %s, %s, 'active', %s, %s, '', '')
-RETURNING id
-"""
-
 INSERT_EVENT = """
 INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VALUES (%s, %s, %s, %s, %s, %s)
 """
@@ -130,7 +123,7 @@ _JSON_COLUMNS = frozenset({"payload", "follow_ups"})
 
 
 @functools.lru_cache(maxsize=64)
-def insert_jobs(rows: int, postgres: bool) -> str:
+def insert_jobs(rows: int, postgres: bool, notify: bool = False) -> str:
     """Insert `rows` jobs, each with its requirement set found by digest in the
     same statement; answers (id, key, requirements_id) of each job inserted.
     Parameters: per row JOB_INSERT_COLUMNS and the digest; then `now` (available_at,
@@ -139,7 +132,10 @@ def insert_jobs(rows: int, postgres: bool) -> str:
     data-modifying WITH). A key already in the queue inserts nothing (its dedup), and
     so does a row whose requirement set does not exist yet: the caller creates the set
     and inserts that row again. PostgreSQL types a VALUES list's text as text, so JSON
-    cells are cast."""
+    cells are cast.
+    With `notify` (PostgreSQL, one row), the statement also announces the job's wake
+    (wakeup.emit's message, its class filled in; parameters after `now`: the channel,
+    then emit.head_and_needs)."""
     cells = ", ".join("CAST(%s AS jsonb)" if postgres and c in _JSON_COLUMNS else "%s" for c in JOB_INSERT_COLUMNS)
     names = ", ".join(JOB_INSERT_COLUMNS)
     empty = "CAST('{}' AS jsonb)" if postgres else "'{}'"
@@ -158,7 +154,13 @@ def insert_jobs(rows: int, postgres: bool) -> str:
         "INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail)"
         f" SELECT id, 'enqueued', %s, NULL, NULL, {empty} FROM j"
     )
-    return f"WITH {values}, j AS ({insert}), e AS ({event}) SELECT id, key, requirements_id FROM j"
+    answer = "SELECT id, key, requirements_id FROM j"
+    if notify:
+        answer = (
+            "SELECT id, key, requirements_id, pg_notify(CAST(%s AS text), json_build_array(CAST(%s AS text),"
+            " CAST(%s AS bigint), requirements_id, NULL, 1, 0, CAST(%s AS json))::text) FROM j"
+        )
+    return f"WITH {values}, j AS ({insert}), e AS ({event}) {answer}"
 
 
 def pins_of(keys: int) -> str:
@@ -175,6 +177,15 @@ def fenced_attempt(postgres: bool) -> str:
     whether the job has follow-ups: their specs (hook payloads, each with a
     task snapshot) are read by the finish that needs them, not by every heartbeat."""
     return _FENCED_ATTEMPT + (" FOR UPDATE OF a, j" if postgres else "")
+
+
+@functools.lru_cache(maxsize=64)
+def fenced_attempts(ids: int, postgres: bool) -> str:
+    """fenced_attempt for `ids` attempts at once, each row led by its attempt id
+    (parameters: now, the ids). PostgreSQL locks them in id order."""
+    statement = "SELECT a.id, " + _FENCED_ATTEMPT.strip().removeprefix("SELECT ")
+    statement = statement.replace("WHERE a.id = %s", f"WHERE a.id IN ({placeholders(ids)})")
+    return statement + (" ORDER BY a.id FOR UPDATE OF a, j" if postgres else "")
 
 
 _FENCED_ATTEMPT = """
@@ -243,22 +254,86 @@ def moves_with_event(moves: tuple[tuple[str, tuple[str, ...]], ...]) -> str:
     return f"WITH {', '.join(parts)} SELECT {counts}"
 
 
-# PostgreSQL: a claim's attempt, its job's move to leased and the `claimed` event in one statement
-# (parameters: INSERT_ATTEMPT's, then the job's attempt_count, id; the event's at, worker, detail).
-LEASE = """
-WITH a AS (
-  INSERT INTO queue_attempt (job_id, number, worker_id, session, token_hash, state, claimed_at, lease_expires_at,
-                             error, job_state)
-  VALUES (%s, %s, %s, %s, %s, 'active', %s, %s, '', '') RETURNING id, job_id
-), j AS (
-  UPDATE queue_job SET state = 'leased', current_attempt_id = (SELECT id FROM a), attempt_count = %s
-   WHERE id = %s AND state = 'queued' RETURNING 1
-), e AS (
-  INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail)
-  SELECT a.job_id, 'claimed', %s, %s, a.id, %s FROM a
+_ATTEMPT_INSERT_COLUMNS = (
+    "job_id, number, worker_id, session, token_hash, state, claimed_at, lease_expires_at, error, job_state"
 )
-SELECT a.id, (SELECT COUNT(*) FROM j) FROM a
-"""
+
+
+@functools.lru_cache(maxsize=64)
+def lease(rows: int, postgres: bool) -> tuple[str, ...]:
+    """A claim's leases of `rows` jobs: their attempts, the jobs' moves to leased
+    (a compare-and-set: the caller checks that `rows` rows moved) and their
+    `claimed` events.
+
+    PostgreSQL: one statement, answering (attempt id, job id, jobs moved) per
+    attempt. Parameters: per row (job id, attempt number, token hash); worker id,
+    session, now, lease expiry; the events' now and worker id.
+    SQLite (no data-modifying WITH): three statements. The attempts' insert,
+    answering (attempt id, job id); parameters per row: job id, number, worker id,
+    session, token hash, now, expiry. The jobs' move; per row: job id, attempt id,
+    number. The events' insert: INSERT_EVENT's parameters per row."""
+    if postgres:
+        values = ", ".join(["(CAST(%s AS bigint), CAST(%s AS integer), %s)"] * rows)
+        return (
+            f"WITH v (job_id, number, token_hash) AS (VALUES {values}),"
+            f" a AS (INSERT INTO queue_attempt ({_ATTEMPT_INSERT_COLUMNS})"
+            "  SELECT v.job_id, v.number, %s, %s, v.token_hash, 'active', %s, %s, '', '' FROM v"
+            "  RETURNING id, job_id, number),"
+            " j AS (UPDATE queue_job SET state = 'leased', current_attempt_id = a.id, attempt_count = a.number"
+            "  FROM a WHERE queue_job.id = a.job_id AND queue_job.state = 'queued' RETURNING 1),"
+            " e AS (INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail)"
+            "  SELECT a.job_id, 'claimed', %s, %s, a.id, jsonb_build_object('number', a.number) FROM a)"
+            " SELECT a.id, a.job_id, (SELECT COUNT(*) FROM j) FROM a",
+        )
+    # The attempt's own values come first in each row; worker, session and times are shared.
+    attempts = ", ".join(["(%s, %s, %s, %s, %s, 'active', %s, %s, '', '')"] * rows)
+    return (
+        f"INSERT INTO queue_attempt ({_ATTEMPT_INSERT_COLUMNS}) VALUES {attempts} RETURNING id, job_id",
+        # Not WITH … UPDATE: Python's sqlite3 counts rows only for a statement that starts with its verb.
+        "UPDATE queue_job SET state = 'leased', current_attempt_id = v.column2, attempt_count = v.column3"
+        f" FROM (VALUES {', '.join(['(%s, %s, %s)'] * rows)}) AS v"
+        " WHERE queue_job.id = v.column1 AND queue_job.state = 'queued'",
+        "INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VALUES "
+        + ", ".join(["(%s, %s, %s, %s, %s, %s)"] * rows),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def succeed(rows: int, postgres: bool) -> tuple[str, ...]:
+    """Settle `rows` attempts as succeeded, and their jobs: each attempt active →
+    succeeded, each job from the state it was read in → succeeded, a `finished`
+    event each (compare-and-sets: the caller checks that `rows` rows moved per table).
+
+    PostgreSQL: one statement answering (attempts moved, jobs moved). Parameters:
+    per row (attempt id, job id, the job's state, error, summary JSON, worker id);
+    then now (attempts), now (jobs), now and the detail JSON (events).
+    SQLite: three statements. The attempts' move: now, then per row (attempt id,
+    error). The jobs' move: now, then per row (job id, its state, summary JSON).
+    The events' insert: INSERT_EVENT's parameters per row."""
+    if postgres:
+        values = ", ".join(["(CAST(%s AS bigint), CAST(%s AS bigint), %s, %s, CAST(%s AS jsonb), %s)"] * rows)
+        return (
+            f"WITH v (attempt_id, job_id, job_state, error, summary, worker_id) AS (VALUES {values}),"
+            " ma AS (UPDATE queue_attempt SET state = 'succeeded', finished_at = %s, error = v.error,"
+            "  job_state = 'succeeded' FROM v WHERE queue_attempt.id = v.attempt_id AND queue_attempt.state = 'active'"
+            "  RETURNING 1),"
+            " mj AS (UPDATE queue_job SET state = 'succeeded', summary = v.summary, finished_at = %s, reason = ''"
+            "  FROM v WHERE queue_job.id = v.job_id AND queue_job.state = v.job_state RETURNING 1),"
+            " e AS (INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail)"
+            "  SELECT v.job_id, 'finished', %s, v.worker_id, v.attempt_id, CAST(%s AS jsonb) FROM v)"
+            " SELECT (SELECT COUNT(*) FROM ma), (SELECT COUNT(*) FROM mj)",
+        )
+    return (
+        "UPDATE queue_attempt SET state = 'succeeded', finished_at = %s, error = v.column2, job_state = 'succeeded'"
+        f" FROM (VALUES {', '.join(['(%s, %s)'] * rows)}) AS v"
+        " WHERE queue_attempt.id = v.column1 AND queue_attempt.state = 'active'",
+        "UPDATE queue_job SET state = 'succeeded', summary = v.column3, finished_at = %s, reason = ''"
+        f" FROM (VALUES {', '.join(['(%s, %s, %s)'] * rows)}) AS v"
+        " WHERE queue_job.id = v.column1 AND queue_job.state = v.column2",
+        "INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VALUES "
+        + ", ".join(["(%s, %s, %s, %s, %s, %s)"] * rows),
+    )
+
 
 # --------------------------------------------------------------------------- values
 

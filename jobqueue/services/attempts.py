@@ -10,7 +10,7 @@ from django.db import connection
 
 from .. import conf, sql
 from ..clock import Clock
-from ..exceptions import InvalidRequest, NotFound, SessionSuperseded, StaleAttempt, WorkerMismatch
+from ..exceptions import InvalidRequest, NotFound, QueueError, SessionSuperseded, StaleAttempt, WorkerMismatch
 from ..metrics import timed_heartbeat
 from ..models import Attempt, AttemptState, JobState
 from ..text import clean
@@ -19,7 +19,7 @@ from ..wakeup import Wake
 from ..wakeup.emit import emit
 from .common import event, hash_token, now_of, postgres, service
 from .identity import acting_as as check_acting_as
-from .transitions import UNREAD, attempt_and_job_move, attempt_move, checked, job_move
+from .transitions import UNREAD, attempt_and_job_move, attempt_move, attempts_succeed, checked, job_move
 
 _jitter = random.Random()
 
@@ -48,7 +48,11 @@ def _fenced(cursor, attempt_id: int, token: str, n_ow, acting_as: str | None = N
     """The attempt, when `token` is its token; StaleAttempt or NotFound
     otherwise. With `acting_as` (the worker id of the caller's credential),
     WorkerMismatch unless the attempt is that worker's."""
-    row = sql.one(cursor, sql.fenced_attempt(postgres()), [n_ow, attempt_id])
+    return _fenced_row(sql.one(cursor, sql.fenced_attempt(postgres()), [n_ow, attempt_id]), attempt_id, token, acting_as)
+
+
+def _fenced_row(row: tuple | None, attempt_id: int, token: str, acting_as: str | None) -> _Fenced:
+    """_fenced's checks on the attempt's row as read (sql.fenced_attempt's columns)."""
     if row is None:
         raise NotFound(f"attempt {attempt_id} does not exist", attempt_id=attempt_id)
     if not hmac.compare_digest(row[0], hash_token(token)):
@@ -114,7 +118,58 @@ def _backoff(base: float, cap: float, failures: int) -> float:
     return delay / 2 + _jitter.uniform(0, delay / 2)
 
 
-@service
+_FINISH_ARGUMENTS = frozenset({"attempt_id", "token", "outcome", "summary", "error", "acting_as", "clock"})
+
+
+def _finish_many(calls: list[dict]) -> list[tuple[object, Exception | None]]:
+    """Many attempt_finish calls in the caller's transaction (group commit): one fenced read
+    of all their attempts, then one settling of every plain success (no cancel requested, no
+    follow-ups) together; any other finish runs as attempt_finish's own body. Calls that one
+    read cannot serve (different clocks, an attempt twice, unknown arguments) run one by one."""
+    ids = [kw.get("attempt_id") for kw in calls]
+    if len({id(kw.get("clock")) for kw in calls}) > 1 or len(set(ids)) < len(ids) or any(
+        not set(kw) <= _FINISH_ARGUMENTS for kw in calls
+    ):
+        return [(attempt_finish.body(**kw), None) for kw in calls]
+    now = now_of(calls[0].get("clock"))
+    n_ow = sql.ts(now)
+    answers: list = [None] * len(calls)
+    plain = []
+    with connection.cursor() as cursor:
+        cursor.execute(sql.fenced_attempts(len(ids), postgres()), [n_ow, *ids])
+        rows = {row[0]: row[1:] for row in cursor.fetchall()}
+        for i, kw in enumerate(calls):
+            attempt_id, outcome = kw["attempt_id"], kw["outcome"]
+            try:
+                if outcome not in OUTCOMES:
+                    raise InvalidRequest(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}", field="outcome")
+                a = _fenced_row(rows.get(attempt_id), attempt_id, kw["token"], kw.get("acting_as"))
+                if a.state == outcome and a.job_state_after:  # the same finish again
+                    answers[i] = (a.job_state_after, None)
+                    continue
+                _require_live(attempt_id, a)
+            except QueueError as exc:  # refused before it wrote anything
+                answers[i] = (None, exc)
+                continue
+            if outcome == AttemptState.SUCCEEDED and not a.cancel_requested and not a.has_follow_ups:
+                plain.append((i, kw, a))
+            else:
+                answers[i] = (attempt_finish.body(**kw), None)
+        if plain:
+            attempts_succeed(
+                cursor,
+                [(kw["attempt_id"], a.job_id, a.job_state, clean(kw.get("error") or ""), kw.get("summary") or {}, a.worker_id)
+                 for _, kw, a in plain],
+                now,
+                {"outcome": AttemptState.SUCCEEDED, "job_state": JobState.SUCCEEDED},
+            )  # fmt: skip
+            for i, _, a in plain:
+                _freed(cursor, a.job_id, a.requirements_id, None)
+                answers[i] = (JobState.SUCCEEDED, None)
+    return answers
+
+
+@service(many=_finish_many)
 def attempt_finish(
     *,
     attempt_id: int,

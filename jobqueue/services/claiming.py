@@ -25,8 +25,8 @@ from ..models import JOB_TRANSITIONS, JobState, RequirementSet
 from ..types import Claim
 from ..wakeup import notifier
 from .affinity import pin
-from .common import event, hash_token, now_of, postgres, service
-from .transitions import LostUpdate, check_transition, job_move
+from .common import hash_token, now_of, postgres, service
+from .transitions import LostUpdate, check_transition
 
 CANDIDATE_SPARES = 8  # PostgreSQL: extra candidates per claim, for rows other claimers hold locked
 UNION_TERMS = 400  # classes walked per candidate statement (SQLite's compound SELECT limit is 500)
@@ -182,7 +182,12 @@ def _claim(worker_id: str, session: str, max_jobs: int, clock: Clock | None) -> 
                 pk for pk, keys in eligible
                 if not any(counts[(d, keys[d])] >= limits.limit(d, keys[d]) > 0 for d in dimensions)
             ]
-            batch = _candidates(cursor, open_sets, worker_id, n_ow, passed_over, want) if open_sets else []
+            batch, locked, more = _candidates(cursor, open_sets, worker_id, n_ow, passed_over, want) if open_sets else ([], [], False)
+            if locked:  # held by other claims (PostgreSQL): walk past them next round
+                passed_over.update(locked)
+                contended = True
+            chosen: list[dict] = []
+            pending: Counter = Counter()
             for cand in batch:
                 keys = [(d, cand[d], lim) for d in dimensions if (lim := limits.limit(d, cand[d])) > 0]
                 if keys and on_postgres:
@@ -191,8 +196,8 @@ def _claim(worker_id: str, session: str, max_jobs: int, clock: Clock | None) -> 
                         contended = True
                         continue
                     fresh = _live_counts(cursor, dimensions, n_ow, keys)  # recounted under the lock
-                    for d, k, _ in keys:
-                        counts[(d, k)] = fresh[(d, k)]
+                    for d, k, _ in keys:  # and this round's choices, leased only at its end
+                        counts[(d, k)] = fresh[(d, k)] + pending[(d, k)]
                 if any(counts[(d, k)] >= lim for d, k, lim in keys):
                     passed_over.add(cand["id"])
                     continue
@@ -200,16 +205,22 @@ def _claim(worker_id: str, session: str, max_jobs: int, clock: Clock | None) -> 
                     passed_over.add(cand["id"])  # pinned elsewhere, or (None) another claim holds the key's lock
                     contended = contended or pinned is None
                     continue
-                claims.append(_lease(cursor, cand, worker_id, w_session, now, cfg))
+                chosen.append(cand)
                 for d, k, _ in keys:
                     counts[(d, k)] += 1
-            if len(batch) < want or len(claims) == wanted:
+                    pending[(d, k)] += 1
+            claims += _lease(cursor, chosen, worker_id, w_session, now, cfg)
+            if not more or len(claims) == wanted:
                 break
         return Round(claims, shape, starved=not claims and not contended, contended=contended and not claims)
 
 
-def _candidates(cursor, classes: list[int], worker_id: str, n_ow, passed_over: set[int], want: int) -> list[dict]:
-    """Up to `want` claimable jobs of the given classes, best first.
+def _candidates(
+    cursor, classes: list[int], worker_id: str, n_ow, passed_over: set[int], want: int
+) -> tuple[list[dict], list[int], bool]:
+    """Up to `want` claimable jobs of the given classes, best first; the ids
+    walked but found locked by another claim (PostgreSQL), and whether the
+    classes may hold more jobs than were walked.
 
     Each class is walked on its own through the partial index
     (requirements, -priority, available_at, id) and stops after `want` rows;
@@ -233,36 +244,59 @@ def _candidates(cursor, classes: list[int], worker_id: str, n_ow, passed_over: s
     found.sort(key=lambda row: (-row[1], row[2], row[0]))
     ids = [row[0] for row in found[:walk_limit]]
     if not ids:
-        return []
+        return [], [], False
     cursor.execute(sql.candidates(len(ids), on_postgres), [n_ow, *ids, want])
-    return [dict(zip(sql.CANDIDATE_COLUMNS, row, strict=True)) for row in cursor.fetchall()]
+    rows = [dict(zip(sql.CANDIDATE_COLUMNS, row, strict=True)) for row in cursor.fetchall()]
+    # Short of `want` although the walk found enough: the rest were locked (or just claimed).
+    # Every row walked up to the last one taken was lockable or is skipped for good.
+    locked = []
+    if len(rows) < want and len(ids) > len(rows):
+        taken = {row["id"] for row in rows}
+        locked = [pk for pk in ids if pk not in taken]
+    return rows, locked, len(rows) == want or len(found) >= walk_limit
 
 
-def _lease(cursor, cand: dict, worker_id: str, session: str, now: dt.datetime, cfg: conf.QueueConfig) -> Claim:
-    token = secrets.token_urlsafe(32)  # 256 bits; only its hash is stored
-    number = cand["attempt_count"] + 1
+def _lease(cursor, chosen: list[dict], worker_id: str, session: str, now: dt.datetime, cfg: conf.QueueConfig) -> list[Claim]:
+    """Lease the chosen candidates, all in one go (sql.lease); their claims, in the same order."""
+    if not chosen:
+        return []
+    check_transition(JOB_TRANSITIONS, JobState.QUEUED, JobState.LEASED)
+    tokens = [secrets.token_urlsafe(32) for _ in chosen]  # 256 bits each; only their hashes are stored
+    numbers = [cand["attempt_count"] + 1 for cand in chosen]
     expires = now + cfg.lease
-    n_ow = sql.ts(now)
-    attempt = [cand["id"], number, worker_id, session, hash_token(token), n_ow, sql.ts(expires)]
-    if postgres():  # the attempt, the job's move and its event in one round trip
-        check_transition(JOB_TRANSITIONS, JobState.QUEUED, JobState.LEASED)
-        attempt_id, moved = sql.one(cursor, sql.LEASE, [*attempt, number, cand["id"], n_ow, worker_id, sql.js({"number": number})])
-        if moved != 1:
-            raise LostUpdate(f"queue_job {cand['id']} was not queued any more (moving to leased)")
+    n_ow, x_pires = sql.ts(now), sql.ts(expires)
+    statements = sql.lease(len(chosen), postgres())
+    if len(statements) == 1:  # PostgreSQL
+        rows = [p for cand, number, token in zip(chosen, numbers, tokens, strict=True)
+                for p in (cand["id"], number, hash_token(token))]  # fmt: skip
+        cursor.execute(statements[0], [*rows, worker_id, session, n_ow, x_pires, n_ow, worker_id])
+        answered = cursor.fetchall()
+        moved = answered[0][2] if answered else 0
+        attempt_of = {job_id: attempt_id for attempt_id, job_id, _ in answered}
     else:
-        attempt_id = sql.one(cursor, sql.INSERT_ATTEMPT, attempt)[0]
-        job_move(
-            cursor, job_id=cand["id"], old=JobState.QUEUED, new=JobState.LEASED,
-            current_attempt_id=attempt_id, attempt_count=number,
+        insert_attempts, move_jobs, insert_events = statements
+        rows = [p for cand, number, token in zip(chosen, numbers, tokens, strict=True)
+                for p in (cand["id"], number, worker_id, session, hash_token(token), n_ow, x_pires)]  # fmt: skip
+        cursor.execute(insert_attempts, rows)
+        attempt_of = {job_id: attempt_id for attempt_id, job_id in cursor.fetchall()}
+        cursor.execute(move_jobs, [p for cand, n in zip(chosen, numbers, strict=True) for p in (cand["id"], attempt_of[cand["id"]], n)])
+        moved = cursor.rowcount
+        cursor.execute(insert_events, [
+            p for cand, n in zip(chosen, numbers, strict=True)
+            for p in (cand["id"], "claimed", n_ow, worker_id, attempt_of[cand["id"]], sql.js({"number": n}))
+        ])  # fmt: skip
+    if moved != len(chosen) or len(attempt_of) != len(chosen):
+        raise LostUpdate(f"{len(chosen) - moved} of queue_job {[c['id'] for c in chosen]} were not queued any more (moving to leased)")
+    return [
+        Claim(
+            job_id=cand["id"],
+            attempt_id=attempt_of[cand["id"]],
+            attempt_number=number,
+            token=token,
+            lease_expires_at=expires,
+            agent=cand["agent"],
+            runner=cand["runner"],
+            payload=sql.from_js(cand["payload"]),
         )
-        event(cursor, job_id=cand["id"], kind="claimed", at=now, worker_id=worker_id, attempt_id=attempt_id, number=number)
-    return Claim(
-        job_id=cand["id"],
-        attempt_id=attempt_id,
-        attempt_number=number,
-        token=token,
-        lease_expires_at=expires,
-        agent=cand["agent"],
-        runner=cand["runner"],
-        payload=sql.from_js(cand["payload"]),
-    )
+        for cand, number, token in zip(chosen, numbers, tokens, strict=True)
+    ]

@@ -15,9 +15,16 @@ from ..types import hash_token  # noqa: F401 - the services' one digest, re-expo
 log = logging.getLogger("apiary.queue")
 
 
-def service(fn):
+def service(fn=None, *, many=None):
     """One durable transaction per call; a database that stays locked or
-    unreachable past the busy timeout surfaces as `Unavailable` (retryable)."""
+    unreachable past the busy timeout surfaces as `Unavailable` (retryable).
+
+    `many(calls)`, when given, is the body for many calls at once inside a
+    caller's transaction (jobqueue.groupcommit): [kwargs, …] in, one
+    (result, error) per call out, where a call answered with an error wrote
+    nothing; anything it raises rolls the whole transaction back."""
+    if fn is None:
+        return functools.partial(service, many=many)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -28,6 +35,7 @@ def service(fn):
             raise Unavailable(f"database unavailable: {exc}") from exc
 
     wrapper.body = fn  # the service inside a caller's transaction (jobqueue.groupcommit runs many in one)
+    fn.many = many
     return wrapper
 
 
@@ -35,8 +43,9 @@ def now_of(clock: Clock | None) -> dt.datetime:
     return (clock or get_clock()).now()
 
 
+@functools.cache
 def postgres() -> bool:
-    return connection.vendor == "postgresql"
+    return connection.vendor == "postgresql"  # one database per process (settings.DATABASES)
 
 
 def event(cursor, *, job_id: int, kind: str, at: dt.datetime, worker_id=None, attempt_id=None, **detail) -> None:

@@ -93,6 +93,30 @@ def attempt_and_job_move(cursor, *, attempt: dict, job: dict, event: tuple, foll
             raise LostUpdate(f"{table} {spec[id_name]} was not {spec['old']} any more (moving to {spec['new']})")
 
 
+def attempts_succeed(cursor, rows: list[tuple], now: dt.datetime, detail: dict) -> None:
+    """Many attempts' `attempt_and_job_move` to succeeded, in one go (sql.succeed): `rows` are
+    (attempt id, job id, the job's state as read, error, summary, worker id), none of whose jobs
+    has follow-ups. Each move is still a compare-and-set; a row count short of `rows` is LostUpdate."""
+    check_transition(ATTEMPT_TRANSITIONS, "active", "succeeded")
+    for row in rows:
+        check_transition(JOB_TRANSITIONS, row[2], "succeeded")
+    n_ow, statements = sql.ts(now), sql.succeed(len(rows), connection.vendor == "postgresql")
+    if len(statements) == 1:  # PostgreSQL
+        params = [p for a, j, state, error, summary, w in rows for p in (a, j, state, error, sql.js(summary), w)]
+        cursor.execute(statements[0], [*params, n_ow, n_ow, n_ow, sql.js(detail)])
+        moved = cursor.fetchone()
+    else:
+        attempts, jobs, events = statements
+        cursor.execute(attempts, [n_ow, *(p for a, _, _, error, _, _ in rows for p in (a, error))])
+        moved_attempts = cursor.rowcount
+        cursor.execute(jobs, [n_ow, *(p for _, j, state, _, summary, _ in rows for p in (j, state, sql.js(summary)))])
+        moved = (moved_attempts, cursor.rowcount)
+        cursor.execute(events, [p for a, j, _, _, _, w in rows for p in (j, "finished", n_ow, w, a, sql.js(detail))])
+    for table, count in zip(("queue_attempt", "queue_job"), moved, strict=True):
+        if count != len(rows):
+            raise LostUpdate(f"{len(rows) - count} of {len(rows)} {table} rows moved under us (settling as succeeded)")
+
+
 def attempt_move(cursor, *, attempt_id: int, old: str, new: str, **columns) -> None:
     """Move attempt `attempt_id` from `old` to `new`, setting `columns` (sql.ATTEMPT_COLUMNS)."""
     _move(cursor, "queue_attempt", ATTEMPT_TRANSITIONS, attempt_id, old, new, columns)

@@ -47,6 +47,13 @@ def encode(wake: Wake) -> str:
     return json.dumps(message, separators=(",", ":"))
 
 
+def head_and_needs(wake: Wake) -> tuple[str, int, str]:
+    """encode()'s message without its class, for a statement that fills the class in itself
+    (sql.insert_jobs with `notify`): origin, serial, and `needs` as JSON."""
+    needs = None if wake.needs is None else [wake.needs[0], sorted(wake.needs[1]), sorted(wake.needs[2])]
+    return origin(), next(_serial), json.dumps(needs, separators=(",", ":"))
+
+
 def decode(text: str) -> tuple[str, Wake]:
     sender, _serial_number, requirements, worker_id, count, at, needs = json.loads(text)
     delay = max(0.0, at - time.time()) if at else 0.0

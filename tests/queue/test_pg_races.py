@@ -70,6 +70,24 @@ def test_concurrent_claims_of_one_worker_exceed_its_capacity(clock, monkeypatch)
     assert active <= 1, f"capacity 1, {active} active attempts ({len(out1['value'])} + {len(out2['value'])})"
 
 
+def test_a_claim_takes_the_next_jobs_when_another_claim_holds_the_best_ones_locked(clock, monkeypatch):
+    """The candidates of a claim are the best few queued jobs, locked SKIP LOCKED. With
+    another claim holding all of them, it came back empty and starved (its long-poll then
+    slept, and a benchmark's claimer quit) while the queue still held jobs it could take."""
+    jobs_queued = [enqueue() for _ in range(20)]
+    first, second = register("first", capacity=12), register("second", capacity=4)
+    paused, release = pause_in(monkeypatch, claiming, "_lease", "first")
+    t, out = run_thread(lambda: claim(first, 12), "first")  # its 12 candidates locked, not leased yet
+    wait_for(paused.is_set, timeout=WAIT, what="the first claim to lock its candidates")
+    got = services.claim_round(worker_id=second.worker_id, session=second.session, max_jobs=4)
+    release.set()
+    t.join(20)
+    ids = [job.pk for job in jobs_queued]
+    assert [c.job_id for c in got.claims] == ids[12:16]  # the best ones the first claim does not hold
+    assert not got.starved
+    assert sorted(c.job_id for c in out["value"]) == ids[:12]
+
+
 def test_reconcile_racing_worker_register_crashes(clock, monkeypatch):
     """reconcile() read attempts without locking; a re-registration that
     expired the same attempt first made reconcile's guarded update hit 0 rows."""
