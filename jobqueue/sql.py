@@ -70,7 +70,7 @@ PIN_OF_JOB = "SELECT p.worker_id FROM queue_job j JOIN queue_affinity p ON p.key
 
 # One class's queued jobs in claim order, skipping affinity jobs pinned to another worker.
 _WALK = (
-    "SELECT j.id, j.priority, j.available_at FROM queue_job j{hint}"
+    "SELECT j.id, j.priority, j.available_at{rows} FROM queue_job j{hint}"
     " LEFT JOIN queue_affinity af ON af.key = j.affinity_key"
     " WHERE j.state = 'queued' AND j.requirements_id = %s AND j.available_at <= %s"
     " AND (j.affinity_key IS NULL OR af.worker_id IS NULL OR af.worker_id = %s){skip}"
@@ -81,10 +81,13 @@ _WALK = (
 @functools.lru_cache(maxsize=256)
 def candidate_walk(classes: int, skipped: int, postgres: bool) -> str:
     """The union of `classes` short walks (parameters per walk: class id, now,
-    worker id, the `skipped` job ids, limit), merged and cut (last parameter: limit).
-    SQLite without ANALYZE statistics may prefer another index and sort, so it
-    is told to use the claim-order index; PostgreSQL picks it by itself."""
+    worker id, the `skipped` job ids, limit), merged and cut (last parameter: limit):
+    (id, priority, available_at) per job, and on SQLite the CANDIDATE_COLUMNS after
+    them (there the walk's rows are the candidates: one writer at a time, no row
+    locks to take). SQLite without ANALYZE statistics may prefer another index and
+    sort, so it is told to use the claim-order index; PostgreSQL picks it by itself."""
     walk = _WALK.format(
+        rows="" if postgres else "".join(f", j.{c} AS c_{c}" for c in CANDIDATE_COLUMNS),
         hint="" if postgres else " INDEXED BY job_claim_order",
         skip=f" AND j.id NOT IN ({placeholders(skipped)})" if skipped else "",
     )
@@ -96,16 +99,14 @@ CANDIDATE_COLUMNS = ("id", "attempt_count", "agent", "runner", "project", "sourc
 
 
 @functools.lru_cache(maxsize=256)
-def candidates(ids: int, postgres: bool) -> str:
-    """The chosen jobs, still queued, best first (parameters: now, the ids, limit).
-    On PostgreSQL they are locked, skipping rows another claimer holds, and the
-    LIMIT counts only rows it could lock."""
-    statement = (
+def candidates(ids: int) -> str:
+    """PostgreSQL: the walked jobs, still queued, best first, locked, skipping rows another
+    claimer holds; the LIMIT counts only rows it could lock (parameters: now, the ids, limit)."""
+    return (
         f"SELECT {', '.join('j.' + c for c in CANDIDATE_COLUMNS)} FROM queue_job j"
         f" WHERE j.state = 'queued' AND j.available_at <= %s AND j.id IN ({placeholders(ids)})"
-        " ORDER BY j.priority DESC, j.available_at, j.id LIMIT %s"
+        " ORDER BY j.priority DESC, j.available_at, j.id LIMIT %s FOR UPDATE OF j SKIP LOCKED"
     )
-    return statement + (" FOR UPDATE OF j SKIP LOCKED" if postgres else "")
 
 
 INSERT_EVENT = """

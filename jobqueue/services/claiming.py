@@ -242,10 +242,13 @@ def _candidates(
         cursor.execute(sql.candidate_walk(len(chunk), len(skipped), on_postgres), [*params, walk_limit])
         found += cursor.fetchall()
     found.sort(key=lambda row: (-row[1], row[2], row[0]))
+    if not on_postgres:  # the walk's rows are the candidates
+        rows = [dict(zip(sql.CANDIDATE_COLUMNS, row[3:], strict=True)) for row in found[:want]]
+        return rows, [], len(found) >= walk_limit
     ids = [row[0] for row in found[:walk_limit]]
     if not ids:
         return [], [], False
-    cursor.execute(sql.candidates(len(ids), on_postgres), [n_ow, *ids, want])
+    cursor.execute(sql.candidates(len(ids)), [n_ow, *ids, want])
     rows = [dict(zip(sql.CANDIDATE_COLUMNS, row, strict=True)) for row in cursor.fetchall()]
     # Short of `want` although the walk found enough: the rest were locked (or just claimed).
     # Every row walked up to the last one taken was lockable or is skipped for good.
