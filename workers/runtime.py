@@ -38,6 +38,7 @@ from jobqueue.types import Claim
 
 from .backoff import Backoff
 from .executor import Executor, Outcome
+from .jobthreads import JobThreads, Run
 from .journal import Journal
 from .logstream import LogSender
 from .transport import Registration, Transport, TransportError, WorkerSpec
@@ -58,7 +59,7 @@ class ActiveJob:
     next_heartbeat: float
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     discard: str | None = None  # why the result must not be sent
-    thread: threading.Thread | None = None
+    thread: Run | None = None  # its run on one of the worker's job threads
     outbox_id: int | None = None  # the finish's row in the worker's outbox, once written
     journal: Journal | None = None  # what the executor records through; its checkpoint rides the heartbeats
     finishing: bool = False  # its finish is being sent: a stale heartbeat answer may just mean it landed
@@ -93,6 +94,7 @@ class WorkerRuntime:
         self.monotonic = monotonic  # the worker's own clock for self-fencing; tests pass a fake one
         self.wake = threading.Event()  # set on drain and stop: ends the claim loop's backoff wait early
         self.freed = threading.Event()  # set when a job ends (and on drain and stop): the claim loop claims again
+        self.job_threads = JobThreads()
         self.sleep = sleep  # a job thread's wait between finish attempts; tests pass a fake one
         # The claim loop's wait while backing off, which a drain or a stop ends early; tests pass a fake one.
         self.wait = wait or self.wake.wait
@@ -299,10 +301,9 @@ class WorkerRuntime:
                 job.logs = job.journal.logs = LogSender(
                     transport=self.transport, claim=claim, interval=self.log_interval, rand=self.rand
                 )
-            job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"job-{claim.job_id}", daemon=True)
             with self.lock:
                 self.active[claim.attempt_id] = job
-            job.thread.start()
+                job.thread = self.job_threads.start(lambda job=job: self._run_job(job), f"job-{claim.job_id}")
         return len(claims)
 
     def _claim_call(self, what: str, fn):

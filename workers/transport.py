@@ -10,7 +10,7 @@ SessionSuperseded, NotFound, Unavailable — so the runtime cannot tell them apa
 import dataclasses
 from typing import Protocol
 
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connections
 
 from jobqueue import conf, services
 from jobqueue.exceptions import QueueError
@@ -145,4 +145,7 @@ class InProcessTransport:
         )
 
     def close(self) -> None:
-        connection.close()
+        # Only a connection this thread opened: asking for `connection` on a thread that never
+        # used the database would build a wrapper just to close it (the job threads never do).
+        for opened in connections.all(initialized_only=True):
+            opened.close()
