@@ -232,13 +232,23 @@ class GroupCommitter:
 
 
 def _by_body(batch: list[_Call]) -> list[tuple[Callable, list[_Call]]]:
-    """The batch's calls by service, in the order each service first appears. Calls that
-    shared a batch were all made before any of them was answered: any order is one they
-    could have run in, so a service's calls may run together (its `many`)."""
-    groups: dict[Callable, list[_Call]] = {}
+    """The batch's calls grouped by service, so that a service's calls may run together
+    (its `many`), in an order they could have run in. Calls that callers wait for were all
+    made before any of them was answered, each by a thread blocked on it: any order among
+    them will do. A deferred call's thread went on, and its next call must stay after it:
+    a deferred call is never moved, nor a call moved across one."""
+    groups: list[tuple[Callable, list[_Call]]] = []
+    open_groups: dict[Callable, list[_Call]] = {}  # the groups since the last deferred call
     for item in batch:
-        groups.setdefault(item.body, []).append(item)
-    return list(groups.items())
+        if not item.waiting:
+            groups.append((item.body, [item]))
+            open_groups = {}
+        elif item.body in open_groups:
+            open_groups[item.body].append(item)
+        else:
+            open_groups[item.body] = [item]
+            groups.append((item.body, open_groups[item.body]))
+    return groups
 
 
 def _require_intact() -> None:

@@ -229,3 +229,18 @@ def test_a_call_inside_the_callers_own_transaction_runs_there():
 def test_only_services_can_be_grouped():
     with pytest.raises(TypeError, match="not a queue service"):
         GroupCommitter().call(len, obj=())
+
+
+def test_a_batch_runs_a_services_calls_together_but_never_across_a_deferred_call():
+    from jobqueue.groupcommit import _by_body, _Call
+
+    def finish(): ...
+    def record(): ...
+    def history(): ...
+
+    f1, r1, f2, d, f3, r2 = (
+        _Call(finish, {"n": 1}, waiting=True), _Call(record, {}, waiting=True), _Call(finish, {"n": 2}, waiting=True),
+        _Call(history, {}, waiting=False), _Call(finish, {"n": 3}, waiting=True), _Call(record, {}, waiting=True),
+    )  # fmt: skip
+    # f3 may come from the thread that deferred d just before: it must run after d.
+    assert _by_body([f1, r1, f2, d, f3, r2]) == [(finish, [f1, f2]), (record, [r1]), (history, [d]), (finish, [f3]), (record, [r2])]
