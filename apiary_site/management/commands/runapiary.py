@@ -9,7 +9,6 @@ from django.core.checks.registry import registry
 from django.core.management.base import CommandError
 
 from apiary_site import bootstrap, monitoring, security
-from apiary_site import listener as apiary_listener
 from apiary_site.management.base import ApiaryCommand
 from apiary_site.monitorserver import MonitorServer
 from apiary_site.statelock import StateLock, StateLocked
@@ -86,6 +85,8 @@ class Command(ApiaryCommand):
                 returncode=2,
             )
         if queue_settings.listen or admin_listen:
+            from apiary_site import listener as apiary_listener  # gunicorn, uvicorn: only when there is one
+
             listener = apiary_listener.start(
                 queue_settings.listen, config_path=str(config.path), listener=queue_settings.listener,
                 admin_bind=admin_listen,
