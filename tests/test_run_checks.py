@@ -67,5 +67,5 @@ def test_the_listener_checks_are_not_run_at_start(failing, tag):
 def test_with_a_listener_its_checks_refuse_to_start_and_start_nothing(tmp_path, failing, listen):
     failing(checks.Tags.urls)
     with pytest.raises(SystemCheckError, match="tests.E001"):
-        call_command("runapiary", config=project(tmp_path, listen))
+        call_command("runapiary", config=project(tmp_path, listen), skip_checks=False)
     assert not (tmp_path / ".apiary").exists()

@@ -53,7 +53,7 @@ class Command(ApiaryCommand):
         refusals = security.refusals(config.settings.queue, debug=settings.DEBUG, admin_listen=config.settings.admin.listen)
         if refusals:  # before anything starts: no state directory, no listener, no migration
             raise CommandError("; ".join(refusals), returncode=2)
-        if config.settings.queue.listen or config.settings.admin.listen:
+        if (config.settings.queue.listen or config.settings.admin.listen) and not options["skip_checks"]:
             self.check(tags=LISTENER_CHECKS)  # what the listener will serve must at least load
         try:  # before anything else starts; held until the daemon has stopped
             lock = StateLock.acquire(config.state_dir)
