@@ -4,10 +4,11 @@ import argparse
 import logging
 
 from django.conf import settings
+from django.core.checks import Tags
+from django.core.checks.registry import registry
 from django.core.management.base import CommandError
 
 from apiary_site import bootstrap, monitoring, security
-from apiary_site import listener as apiary_listener
 from apiary_site.management.base import ApiaryCommand
 from apiary_site.monitorserver import MonitorServer
 from apiary_site.statelock import StateLock, StateLocked
@@ -17,6 +18,7 @@ from workflows.controlplane import ControlPlane
 from workflows.daemon import Daemon, embedded_runtime
 
 log = logging.getLogger("apiary.controlplane")
+LISTENER_CHECKS = {Tags.admin, Tags.templates, Tags.urls}  # what only the HTTP listener uses
 
 
 class Command(ApiaryCommand):
@@ -33,11 +35,26 @@ class Command(ApiaryCommand):
         )
         parser.add_argument("--tick", type=float, default=0.2, help=argparse.SUPPRESS)
 
+    def check(self, *args, tags=None, **kwargs):
+        """The system checks Django runs before `handle`, but not those of
+        what only the listener serves: the URL checks import the whole URLconf
+        (admin, DRF), the template and admin checks load every template tag
+        library (DRF's imports psycopg), about half a second together, and
+        this process serves no page: the listener is a child of its own.
+        `handle` runs them when it starts one. Untagged checks (settings.py's
+        own, nothing apiary.yaml sets) cannot be selected by tag; `manage.py
+        check` and the tests run them, and the others."""
+        if tags is None:
+            tags = {tag for check in registry.get_checks() for tag in check.tags} - LISTENER_CHECKS
+        return super().check(*args, tags=tags, **kwargs)
+
     def handle(self, *args, **options):
         config = bootstrap.configure(options["config"])
         refusals = security.refusals(config.settings.queue, debug=settings.DEBUG, admin_listen=config.settings.admin.listen)
         if refusals:  # before anything starts: no state directory, no listener, no migration
             raise CommandError("; ".join(refusals), returncode=2)
+        if (config.settings.queue.listen or config.settings.admin.listen) and not options["skip_checks"]:
+            self.check(tags=LISTENER_CHECKS)  # what the listener will serve must at least load
         try:  # before anything else starts; held until the daemon has stopped
             lock = StateLock.acquire(config.state_dir)
         except StateLocked as exc:
@@ -68,6 +85,8 @@ class Command(ApiaryCommand):
                 returncode=2,
             )
         if queue_settings.listen or admin_listen:
+            from apiary_site import listener as apiary_listener  # gunicorn, uvicorn: only when there is one
+
             listener = apiary_listener.start(
                 queue_settings.listen, config_path=str(config.path), listener=queue_settings.listener,
                 admin_bind=admin_listen,
