@@ -4,6 +4,7 @@ the registry of workers that claim them.
 Rows here change only through jobqueue.services; the admin shows them read-only.
 """
 
+import functools
 import hashlib
 import json
 
@@ -72,6 +73,12 @@ ATTEMPT_TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
+@functools.lru_cache(maxsize=4096)  # classes are few; every enqueue asks for its own
+def _digest(pool: str | None, labels: tuple, capabilities: tuple, keys: tuple) -> str:
+    canonical = json.dumps([pool, list(labels), list(capabilities), *keys], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 class RequirementSet(models.Model):
     """A class of jobs: what they require of a worker (pool, labels,
     capabilities) and which limit keys they count against (project, source,
@@ -97,8 +104,7 @@ class RequirementSet(models.Model):
         pool: str | None, labels: list[str], capabilities: list[str], keys: tuple[str, str, str, str] = ("", "", "", "")
     ) -> str:
         """`keys` = (project, source, agent, runner)."""
-        canonical = json.dumps([pool, sorted(set(labels)), sorted(set(capabilities)), *keys], separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        return _digest(pool, tuple(sorted(set(labels))), tuple(sorted(set(capabilities))), tuple(keys))
 
     @staticmethod
     def met(need_pool, need_labels, need_capabilities, *, pool: str | None, labels: set[str], capabilities: set[str]) -> bool:
