@@ -96,6 +96,7 @@ class LogSender:
                     target=self._loop, name=f"job-{self.claim.job_id}-logs", daemon=True
                 )
                 self.thread.start()
+                return  # a thread just started looks at the streams first: no wake to spend
         self.wake.set()
 
     def step_ended(self, stream: str) -> None:
