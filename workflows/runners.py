@@ -152,6 +152,7 @@ def run_step(
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
+                bufsize=0,  # raw pipes: _Output reads their descriptors, so no buffers (nor isatty, lseek) to set up
             )
         except OSError as exc:
             message = f"apiary: cannot start {argv[0]!r} in {cwd}: {exc}\n".encode()
@@ -342,8 +343,10 @@ class _Output:
 def _feed(proc: subprocess.Popen, text: str) -> None:
     """Write the prompt to stdin in its own thread so a large prompt cannot
     deadlock against a full stdout pipe."""
+    data = memoryview(text.encode())
     try:
-        proc.stdin.write(text.encode())
+        while data:  # a raw pipe (bufsize=0) may take part of a write
+            data = data[proc.stdin.write(data) :]
     except (BrokenPipeError, OSError):
         pass  # the process does not read its stdin; that is its business
     finally:
