@@ -77,6 +77,30 @@ def test_a_step_log_is_private(tmp_path):
     assert mode(log) == 0o600 and mode(log.parent) == 0o700
 
 
+def test_a_jobs_wide_log_folder_task_file_and_step_log_are_tightened_with_warnings(tmp_path, caplog):
+    # run_step makes only a missing log folder: an existing one is the executor's to tighten, once
+    # per job (task_file_write), and each file by the descriptor it was opened with.
+    from tests.test_executor import GRACE, make_claim, make_executor
+
+    ex = make_executor(tmp_path, "echo out")
+    logs = tmp_path / ".apiary" / "logs" / "5"
+    logs.mkdir(parents=True)
+    for name in ("task-1.json", "s1.log"):
+        (logs / name).write_text("")
+        (logs / name).chmod(0o644)
+    logs.chmod(0o755)
+    with caplog.at_level(logging.WARNING, logger="apiary.files"):
+        outcome = ex.run(make_claim({"id": 7, "title": "t"}), threading.Event(), grace=GRACE)
+    assert outcome.outcome == "succeeded", outcome
+    assert (mode(logs), mode(logs / "task-1.json"), mode(logs / "s1.log")) == (0o700, 0o600, 0o600)
+    assert sorted(r.getMessage() for r in caplog.records) == sorted([
+        f"{logs} was mode 0755 (readable by other users); now 0700",
+        f"{logs / 'task-1.json'} was mode 0644 (readable by other users); now 0600",
+        f"{logs / 's1.log'} was mode 0644 (readable by other users); now 0600",
+    ])
+    assert (logs / "s1.log").read_text() == "out\n"
+
+
 @pytest.mark.processes
 def test_apiary_run_makes_its_state_private_and_tightens_what_was_wide(tmp_path):
     config = tmp_path / "apiary.yaml"

@@ -168,7 +168,7 @@ def inside(root: Path, *parts: str) -> Path:
     for part in parts:
         if not isinstance(part, str) or part in ("", ".", "..") or "/" in part or "\0" in part:
             raise PathOutside(f"{_show(part)} is not a plain file or folder name")
-    path = Path(root).joinpath(*parts)
+    path = Path(root, *parts)
     if not _a_link_among(root, parts):
         # Plain names, none a symlink: the path resolves to the resolved root with the parts
         # appended, inside it. (A stat per part, where resolving both walks every component.)

@@ -25,9 +25,14 @@ def tighten(path: Path) -> bool:
         mode = path.stat().st_mode & 0o7777
     except FileNotFoundError:
         return False
+    return _narrowed(path, mode, path.chmod)
+
+
+def _narrowed(path, mode: int, chmod) -> bool:
+    """`chmod` to `mode` less group and other permissions, with the warning, when it has any."""
     if not mode & 0o077:
         return False
-    path.chmod(mode & ~0o077)
+    chmod(mode & ~0o077)
     log.warning("%s was mode %04o (readable by other users); now %04o", path, mode, mode & ~0o077)
     return True
 
@@ -74,10 +79,35 @@ def private_sqlite(path: Path) -> Path:
 
 def open_private(path: Path, mode: str = "ab", **kwargs):
     """`open(path, mode)` for a file that must be 0600 (logs): created so, or tightened."""
-    flags = os.O_CREAT | os.O_WRONLY | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    fd = _open_narrowed(path, os.O_CREAT | os.O_WRONLY | (os.O_APPEND if "a" in mode else os.O_TRUNC))
+    try:
+        return os.fdopen(fd, mode, **kwargs)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """`path` holding `data` alone, 0600 as open_private makes it: written by the descriptor,
+    without the file objects (and their isatty and seek calls) that a file written whole needs not."""
+    fd = _open_narrowed(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def _open_narrowed(path: Path, flags: int) -> int:
     fd = os.open(path, flags, FILE_MODE)  # the mode applies only if it is created here
-    tighten(Path(path))
-    return os.fdopen(fd, mode, **kwargs)
+    try:
+        # By the descriptor: the file just opened, with no second lookup of its path.
+        _narrowed(path, os.fstat(fd).st_mode & 0o7777, lambda narrow: os.fchmod(fd, narrow))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def tighten_tree(root: Path) -> int:

@@ -95,8 +95,7 @@ def task_file_write(task: dict, path: Path) -> None:
     written as its JSON escape (\\udXXX), so the file is always valid UTF-8 JSON."""
     private.private_dir(path.parent)
     text = json.dumps(task, ensure_ascii=False, indent=2, default=str)
-    with private.open_private(path, "w", encoding="utf-8", errors="backslashreplace") as out:
-        out.write(text + "\n")
+    private.write_private(path, (text + "\n").encode("utf-8", errors="backslashreplace"))
 
 
 def _capped(text: str, *, whole: str = "$APIARY_TASK_FILE") -> str:
@@ -379,8 +378,7 @@ class Executor:
             content = None
         env = {"APIARY_CHECKPOINT": str(path)}
         if isinstance(content, str):
-            with private.open_private(path, "w", encoding="utf-8", errors="replace") as out:
-                out.write(content)
+            private.write_private(path, content.encode("utf-8", errors="replace"))
             env["APIARY_RESUMED"] = "1"
             if run.journal is not None:
                 run.journal.checkpoint_sent((step.id, content))  # the control plane has it already

@@ -7,7 +7,6 @@ from django.db import connection
 from jobqueue import sql
 from jobqueue.types import Claim
 
-from . import payload
 from .models import StepRun
 
 # One statement each, in autocommit, where update_or_create took a transaction of a SELECT and an
@@ -54,14 +53,14 @@ class DatabaseHistory:
             self.committer.defer(_write, statement=statement, params=params)
 
     def step_started(self, *, claim: Claim, worker_id: str, step_id: str, started_at: dt.datetime, log_path: str) -> None:
-        instance_id = payload.read(claim).instance_id
+        instance_id = claim.payload["instance_id"]  # the executor read the payload (payload.read) first
         self._send(_STARTED, (
             instance_id, claim.attempt_number, step_id, worker_id,
             sql.ts(started_at), log_path,
         ))  # fmt: skip
 
     def step_finished(self, *, claim: Claim, worker_id: str, step_id: str, result) -> None:
-        instance_id = payload.read(claim).instance_id
+        instance_id = claim.payload["instance_id"]
         self._send(_FINISHED, (
             result.status, sql.ts(result.ended_at), result.exit_code,
             result.output_tail, instance_id, claim.attempt_number, step_id,

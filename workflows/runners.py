@@ -120,7 +120,6 @@ def run_step(
 
     `env` is the complete environment of the process (not merged with ours)."""
     log_path = Path(log_path)
-    private.private_dir(log_path.parent)
     started_at = datetime.now(UTC)
     began = time.monotonic()
     capture = _Capture(tail_bytes=tail_bytes)
@@ -138,7 +137,7 @@ def run_step(
         )
 
     # Append: a rerun of the step (a new attempt) must not erase what the previous one logged.
-    with private.open_private(log_path, "ab", buffering=0) as log:  # 0600: steps print secrets too
+    with _open_log(log_path) as log:  # 0600: steps print secrets too
         if cancel.is_set():
             return result("cancelled", None)
         try:
@@ -153,6 +152,7 @@ def run_step(
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
+                bufsize=0,  # raw pipes: _Output reads their descriptors, so no buffers (nor isatty, lseek) to set up
             )
         except OSError as exc:
             message = f"apiary: cannot start {argv[0]!r} in {cwd}: {exc}\n".encode()
@@ -194,6 +194,16 @@ def run_step(
             capture.add(note, stdout=False)
             return result(stopped_because, exit_code)
         return result("succeeded" if exit_code == 0 else "failed", exit_code)
+
+
+def _open_log(log_path: Path):
+    """The step log, opened to append; its folder made (0700) only when missing: the executor
+    already made it private for the job (task_file_write), so an existing one costs no mkdir."""
+    try:
+        return private.open_private(log_path, "ab", buffering=0)
+    except FileNotFoundError:
+        private.private_dir(log_path.parent)
+        return private.open_private(log_path, "ab", buffering=0)
 
 
 def _watch(proc: subprocess.Popen, output: _Output, cancel: threading.Event, deadline: float | None) -> str | None:
@@ -289,7 +299,9 @@ class _Output:
 
     def __init__(self, proc: subprocess.Popen, log, capture: _Capture) -> None:
         self.proc, self.log, self.capture = proc, log, capture
-        self.selector = selectors.DefaultSelector()
+        # poll(2), not epoll: a step's three descriptors cost no epoll instance to create, fill and
+        # close for every step, and one poll over three is as cheap as an epoll_wait.
+        self.selector = selectors.PollSelector()
         self.open = 2
         self.selector.register(proc.stdout, selectors.EVENT_READ, True)
         self.selector.register(proc.stderr, selectors.EVENT_READ, False)
@@ -331,8 +343,10 @@ class _Output:
 def _feed(proc: subprocess.Popen, text: str) -> None:
     """Write the prompt to stdin in its own thread so a large prompt cannot
     deadlock against a full stdout pipe."""
+    data = memoryview(text.encode())
     try:
-        proc.stdin.write(text.encode())
+        while data:  # a raw pipe (bufsize=0) may take part of a write
+            data = data[proc.stdin.write(data) :]
     except (BrokenPipeError, OSError):
         pass  # the process does not read its stdin; that is its business
     finally:
