@@ -100,13 +100,12 @@ class LogSender:
         self.wake.set()
 
     def step_ended(self, stream: str) -> None:
-        """The step's output ends at the current end of its file: the sender sends it to there, then ends the stream,
-        at its next look (within `interval`), or at once when the next step starts or the runtime closes the sender.
-        No wake of its own: after a job's last step the close comes next, and one wake then serves both."""
+        """The step's output ends at the current end of its file: the sender sends it to there, then ends the stream."""
         with self.lock:
             for item in self.streams:
                 if item.name == stream and item.end is None:
                     item.end = _size(item.path)
+        self.wake.set()
 
     # ------------------------------------------------------------------ the runtime's side
 

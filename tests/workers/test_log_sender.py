@@ -101,25 +101,3 @@ def test_a_stopped_sender_sends_nothing_more(tmp_path):
     sender.step_started("later", path)
     sender.step_ended("later")
     assert sender.close(timeout=0) in (True, False) and len(transport.chunks) == count
-
-
-def test_an_ended_step_is_sent_to_its_end_at_the_next_look_or_at_once_on_close(tmp_path):
-    path = tmp_path / "step.log"
-    path.write_text("")
-    transport = Recorder()
-    sender = LogSender(transport=transport, claim=CLAIM, interval=0.05)
-    sender.step_started("plan", path)
-    path.write_text("done\n")
-    sender.step_ended("plan")
-    wait_for(lambda: transport.chunks and transport.chunks[-1]["final"], timeout=WAIT, what="the final chunk")
-    assert "".join(c["text"] for c in transport.chunks) == "done\n"
-    assert sender.close(timeout=WAIT) is True
-    # A sender that would look again only in a minute: the close sends the end at once.
-    transport = Recorder()
-    sender = LogSender(transport=transport, claim=CLAIM, interval=60)
-    sender.step_started("plan", path)
-    sender.step_ended("plan")
-    sender.step_started("next", path)  # the next step's start wakes the sender too
-    sender.step_ended("next")
-    assert sender.close(timeout=WAIT) is True
-    assert [(c["stream"], c["text"], c["final"]) for c in transport.chunks] == [("plan", "", True), ("next", "", True)]
