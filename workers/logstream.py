@@ -28,6 +28,7 @@ from jobqueue.exceptions import QueueError
 from jobqueue.types import MAX_LOG_CHUNK_BYTES, MAX_LOG_STREAM_BYTES, Claim
 
 from .backoff import Backoff
+from .jobthreads import JobThreads, Run
 from .transport import Transport
 from .verdicts import Verdict, classify
 
@@ -71,8 +72,10 @@ class LogSender:
         claim: Claim,
         interval: float = INTERVAL,
         rand: Callable[[], float] = random.random,
+        threads: JobThreads | None = None,
     ):
         self.transport = transport
+        self.threads = threads  # the worker's job threads, to send on one of (else a thread of its own)
         self.claim = claim
         self.interval = interval
         self.rand = rand
@@ -81,7 +84,7 @@ class LogSender:
         self.wake = threading.Event()
         self.stopped = threading.Event()  # stale, the job discarded, or closed
         self.closing = False
-        self.thread: threading.Thread | None = None
+        self.thread: threading.Thread | Run | None = None
 
     # ------------------------------------------------------------------ the executor's side
 
@@ -92,10 +95,12 @@ class LogSender:
                 return
             self.streams.append(_Stream(stream, Path(path), _size(path)))
             if self.thread is None:
-                self.thread = threading.Thread(
-                    target=self._loop, name=f"job-{self.claim.job_id}-logs", daemon=True
-                )
-                self.thread.start()
+                name = f"job-{self.claim.job_id}-logs"
+                if self.threads is not None:
+                    self.thread = self.threads.start(self._loop, name)
+                else:
+                    self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+                    self.thread.start()
                 return  # a thread just started looks at the streams first: no wake to spend
         self.wake.set()
 

@@ -299,7 +299,8 @@ class WorkerRuntime:
             job.journal = self._journal(job) if "journal" in self.registration.features else None
             if job.journal is not None and "logs" in self.registration.features:
                 job.logs = job.journal.logs = LogSender(
-                    transport=self.transport, claim=claim, interval=self.log_interval, rand=self.rand
+                    transport=self.transport, claim=claim, interval=self.log_interval, rand=self.rand,
+                    threads=self.job_threads,
                 )
             with self.lock:
                 self.active[claim.attempt_id] = job

@@ -101,3 +101,19 @@ def test_a_stopped_sender_sends_nothing_more(tmp_path):
     sender.step_started("later", path)
     sender.step_ended("later")
     assert sender.close(timeout=0) in (True, False) and len(transport.chunks) == count
+
+
+def test_on_the_workers_job_threads_a_sender_sends_all_and_leaves_its_thread_for_the_next_job(tmp_path):
+    from workers.jobthreads import JobThreads
+
+    pool = JobThreads(idle_seconds=30)
+    for n in range(2):
+        transport = Recorder()
+        sender = LogSender(transport=transport, claim=CLAIM, interval=0.01, threads=pool)
+        path = tmp_path / f"step{n}.log"
+        path.write_text("output\n")
+        sender.step_started("plan", path)
+        sender.step_ended("plan")
+        assert sender.close(timeout=WAIT) is True
+        assert [(c["text"], c["final"]) for c in transport.chunks] == [("output\n", True)]
+        wait_for(lambda: len(pool._idle) == 1, timeout=WAIT, what="the sender's thread to be idle again")
