@@ -111,8 +111,8 @@ def test_on_the_workers_job_threads_a_sender_sends_all_and_leaves_its_thread_for
         transport = Recorder()
         sender = LogSender(transport=transport, claim=CLAIM, interval=0.01, threads=pool)
         path = tmp_path / f"step{n}.log"
-        path.write_text("output\n")
         sender.step_started("plan", path)
+        path.write_text("output\n")
         sender.step_ended("plan")
         assert sender.close(timeout=WAIT) is True
         assert [(c["text"], c["final"]) for c in transport.chunks] == [("output\n", True)]
