@@ -8,8 +8,10 @@ streaming logs — can share commits: a call waits in line while a commit is
 under way, and the next commit carries every call that queued meanwhile.
 The batch runs without savepoints; if a call in it fails, the batch is
 rolled back and run again with a savepoint per call, so only the failing
-call is refused. Nothing is answered before the COMMIT that holds it
-returns: a caller gets its result (or its error) only then, and a commit
+call is refused. (A service's body for many calls at once, its `many`,
+answers a refusal itself, for a call that wrote nothing, without a
+rollback.) Nothing is answered before the COMMIT that holds it returns: a
+caller gets its result (or its error) only then, and a commit
 that fails, or a transaction that a call left broken, answers every call
 in it `Unavailable`, with none of them written. No call waits for
 company: a call with nobody committing commits at once, alone.
@@ -233,21 +235,28 @@ class GroupCommitter:
 
 def _by_body(batch: list[_Call]) -> list[tuple[Callable, list[_Call]]]:
     """The batch's calls grouped by service, so that a service's calls may run together
-    (its `many`), in an order they could have run in. Calls that callers wait for were all
-    made before any of them was answered, each by a thread blocked on it: any order among
-    them will do. A deferred call's thread went on, and its next call must stay after it:
-    a deferred call is never moved, nor a call moved across one."""
+    (its `many`), in an order they could have run in. Calls that callers wait for were
+    made by threads blocked on them, so their order is free, with two exceptions kept in
+    place: a deferred call (its thread went on, and its next call must stay after it) and
+    a call on an attempt that an earlier call of the batch is about (a job's finish sent
+    while its log sender's last chunk still waits in line). Neither is ever moved, nor a
+    call moved across one."""
     groups: list[tuple[Callable, list[_Call]]] = []
-    open_groups: dict[Callable, list[_Call]] = {}  # the groups since the last deferred call
+    open_groups: dict[Callable, list[_Call]] = {}  # the groups since the last call kept in place
+    attempts: set = set()  # the attempts the calls since then are about
     for item in batch:
-        if not item.waiting:
-            groups.append((item.body, [item]))
-            open_groups = {}
-        elif item.body in open_groups:
+        attempt = item.kwargs.get("attempt_id")
+        if not item.waiting or (attempt is not None and attempt in attempts):
+            open_groups, attempts = {}, set()
+        if attempt is not None:
+            attempts.add(attempt)
+        if item.body in open_groups:
             open_groups[item.body].append(item)
         else:
             open_groups[item.body] = [item]
             groups.append((item.body, open_groups[item.body]))
+        if not item.waiting:
+            open_groups, attempts = {}, set()
     return groups
 
 

@@ -1,6 +1,6 @@
 """`apiary run` runs Django's system checks before anything starts, but those
-of what only the HTTP listener serves (URLs, templates, admin) only when it
-starts a listener: they import the URLconf, DRF and psycopg."""
+of what only the HTTP listener serves (URLs, templates, admin) and the untagged
+ones only when it starts a listener: they import the URLconf, DRF and psycopg."""
 
 import pytest
 from django.core import checks
@@ -64,8 +64,9 @@ def test_the_listener_checks_are_not_run_at_start(failing, tag):
         "settings:\n  admin:\n    listen: 127.0.0.1:8999\n",
     ],
 )
-def test_with_a_listener_its_checks_refuse_to_start_and_start_nothing(tmp_path, failing, listen):
-    failing(checks.Tags.urls)
+@pytest.mark.parametrize("tags", [(checks.Tags.urls,), ()], ids=["urls", "untagged"])
+def test_with_a_listener_its_checks_refuse_to_start_and_start_nothing(tmp_path, failing, listen, tags):
+    failing(*tags)
     with pytest.raises(SystemCheckError, match="tests.E001"):
         call_command("runapiary", config=project(tmp_path, listen), skip_checks=False)
     assert not (tmp_path / ".apiary").exists()

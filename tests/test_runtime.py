@@ -480,3 +480,17 @@ def test_a_worker_at_capacity_claims_again_when_a_job_ends_not_on_a_timer(clock,
         runtime.request_drain("test over")
         loop.join(WAIT)
     assert not loop.is_alive() and runtime.finished_count == 3
+
+
+def test_a_job_whose_thread_cannot_start_frees_its_slot(clock, monkeypatch):
+    enqueue()
+    runtime = make_runtime(ScriptedExecutor(), capacity=1)
+
+    def refused(fn, name):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(runtime.job_threads, "start", refused)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        runtime.claim_once()
+    assert runtime.active == {}  # its lease runs out and the job is claimed again; the slot is free now
+    runtime.reap(wait=True)

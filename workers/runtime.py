@@ -304,7 +304,11 @@ class WorkerRuntime:
                 )
             with self.lock:
                 self.active[claim.attempt_id] = job
-                job.thread = self.job_threads.start(lambda job=job: self._run_job(job), f"job-{claim.job_id}")
+                try:
+                    job.thread = self.job_threads.start(lambda job=job: self._run_job(job), f"job-{claim.job_id}")
+                except BaseException:  # no thread (the OS refused one): the slot is free, the lease runs out
+                    del self.active[claim.attempt_id]
+                    raise
         return len(claims)
 
     def _claim_call(self, what: str, fn):
@@ -368,6 +372,8 @@ class WorkerRuntime:
         with self.lock:
             jobs = list(self.active.items())
         for attempt_id, job in jobs:
+            if job.thread is None:  # being started by the claim loop, under the lock
+                continue
             if wait:
                 job.thread.join()
             if not job.thread.is_alive():

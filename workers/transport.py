@@ -146,6 +146,6 @@ class InProcessTransport:
 
     def close(self) -> None:
         # Only a connection this thread opened: asking for `connection` on a thread that never
-        # used the database would build a wrapper just to close it (the job threads never do).
+        # used the database would build a wrapper just to close it (job threads call the committer).
         for opened in connections.all(initialized_only=True):
             opened.close()

@@ -1,7 +1,8 @@
 """The one guarded write path of job and attempt states.
 
 Every transition, hot path or cold, goes through `job_move` or
-`attempt_move`: the edge is checked against the model's transition table,
+`attempt_move`, or for many rows at once through `attempts_succeed` and the
+claim's `sql.lease`: the edge is checked against the model's transition table,
 the row is updated only if it is still in the state the caller read
 (compare-and-set), and a row count other than one is an error. Under the
 claim's write lock (SQLite) or the row locks the services take (PostgreSQL)
@@ -49,7 +50,8 @@ def job_move(cursor, *, job_id: int, old: str, new: str, follow_ups=UNREAD, **co
     """Move job `job_id` from `old` to `new`, setting `columns` (sql.JOB_COLUMNS).
     A move into a terminal state enqueues the job's follow-ups for that state in
     the same transaction (services/followups.py): every path that settles a
-    job (finish, expiry, cancel) goes through here, or through `moves_with_event`."""
+    job (finish, expiry, cancel) goes through here, or through `attempt_and_job_move`;
+    `attempts_succeed` settles only jobs without follow-ups."""
     _move(cursor, "queue_job", JOB_TRANSITIONS, job_id, old, new, columns)
     _settled(cursor, job_id, new, follow_ups, columns)
 
@@ -95,8 +97,10 @@ def attempt_and_job_move(cursor, *, attempt: dict, job: dict, event: tuple, foll
 
 def attempts_succeed(cursor, rows: list[tuple], now: dt.datetime, detail: dict) -> None:
     """Many attempts' `attempt_and_job_move` to succeeded, in one go (sql.succeed): `rows` are
-    (attempt id, job id, the job's state as read, error, summary, worker id), none of whose jobs
-    has follow-ups. Each move is still a compare-and-set; a row count short of `rows` is LostUpdate."""
+    (attempt id, job id, the job's state as read, error, summary, worker id). It enqueues no
+    follow-ups: the caller passes only jobs it read, under its lock, as having none
+    (attempts._finish_many). Each move is still a compare-and-set; a row count short of
+    `rows` is LostUpdate."""
     check_transition(ATTEMPT_TRANSITIONS, "active", "succeeded")
     for row in rows:
         check_transition(JOB_TRANSITIONS, row[2], "succeeded")

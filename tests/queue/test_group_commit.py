@@ -231,7 +231,7 @@ def test_only_services_can_be_grouped():
         GroupCommitter().call(len, obj=())
 
 
-def test_a_batch_runs_a_services_calls_together_but_never_across_a_deferred_call():
+def test_a_batch_runs_a_services_calls_together_but_never_across_a_deferred_call_or_one_on_the_same_attempt():
     from jobqueue.groupcommit import _by_body, _Call
 
     def finish(): ...
@@ -244,3 +244,7 @@ def test_a_batch_runs_a_services_calls_together_but_never_across_a_deferred_call
     )  # fmt: skip
     # f3 may come from the thread that deferred d just before: it must run after d.
     assert _by_body([f1, r1, f2, d, f3, r2]) == [(finish, [f1, f2]), (record, [r1]), (history, [d]), (finish, [f3]), (record, [r2])]
+    # A job's finish queued behind its own last log chunk stays behind it.
+    log, a1, a2 = _Call(record, {"attempt_id": 2}, waiting=True), {"attempt_id": 1}, {"attempt_id": 2}
+    g1, g2 = _Call(finish, a1, waiting=True), _Call(finish, a2, waiting=True)
+    assert _by_body([g1, log, g2]) == [(finish, [g1]), (record, [log]), (finish, [g2])]

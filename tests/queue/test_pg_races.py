@@ -3,11 +3,11 @@ staged deterministically: one thread is stopped inside a service while the
 other runs. Found in review; each test failed before its fix."""
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from jobqueue import services
 from jobqueue.conf import Limits
-from jobqueue.models import Attempt, Job
+from jobqueue.models import Attempt, Job, JobEvent
 from jobqueue.services import attempts, claiming, jobs
 from jobqueue.services import workers as worker_services
 from tests.factories import claim, enqueue, enqueue_job, make_task, register
@@ -86,6 +86,34 @@ def test_a_claim_takes_the_next_jobs_when_another_claim_holds_the_best_ones_lock
     assert [c.job_id for c in got.claims] == ids[12:16]  # the best ones the first claim does not hold
     assert not got.starved
     assert sorted(c.job_id for c in out["value"]) == ids[:12]
+
+
+def test_a_cancel_racing_finishes_settled_together_waits_and_cannot_undo_them(clock, monkeypatch):
+    """Finishes settled together (attempt_finish's `many`) read their attempts and jobs locked,
+    then settle them: a cancel of one of those jobs meanwhile waits for that commit and finds
+    it succeeded. Without the lock the cancel would request a cancel of a job that then reads
+    as succeeded, or the settling would miss the request it should have lost to."""
+    enqueue(), enqueue()
+    claims = claim(register("w1", capacity=2), 2)
+    calls = [{"attempt_id": c.attempt_id, "token": c.token, "outcome": "succeeded"} for c in claims]
+    paused, release = pause_in(monkeypatch, attempts, "attempts_succeed", "finisher")
+
+    def settle():
+        with transaction.atomic(durable=True):
+            return services.attempt_finish.body.many(calls)
+
+    t1, out1 = run_thread(settle, "finisher")
+    wait_for(paused.is_set, timeout=WAIT, what="the finishes to hold their rows")
+    before = lock_waiters()
+    t2, out2 = run_thread(lambda: services.job_cancel(job_id=claims[0].job_id), "canceller")
+    wait_for(lambda: lock_waiters() > before, timeout=WAIT, what="the cancel to wait for the finishes' locks")
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert out1.get("value") == [("succeeded", None)] * 2, out1
+    assert out2["value"].state == "succeeded" and out2["value"].cancel_requested_at is None, out2
+    assert set(Job.objects.values_list("state", flat=True)) == {"succeeded"}
+    assert not JobEvent.objects.filter(kind__startswith="cancel").exists()
 
 
 def test_reconcile_racing_worker_register_crashes(clock, monkeypatch):

@@ -107,8 +107,12 @@ def test_on_the_workers_job_threads_a_sender_sends_all_and_leaves_its_thread_for
     from workers.jobthreads import JobThreads
 
     pool = JobThreads(idle_seconds=30)
+    senders = []  # the thread each job's sender sent on
     for n in range(2):
         transport = Recorder()
+        transport.log_append = lambda append=transport.log_append, **chunk: (
+            senders.append(threading.get_ident()) or append(**chunk)
+        )
         sender = LogSender(transport=transport, claim=CLAIM, interval=0.01, threads=pool)
         path = tmp_path / f"step{n}.log"
         sender.step_started("plan", path)
@@ -117,3 +121,4 @@ def test_on_the_workers_job_threads_a_sender_sends_all_and_leaves_its_thread_for
         assert sender.close(timeout=WAIT) is True
         assert [(c["text"], c["final"]) for c in transport.chunks] == [("output\n", True)]
         wait_for(lambda: len(pool._idle) == 1, timeout=WAIT, what="the sender's thread to be idle again")
+    assert len(senders) == 2 and senders[0] == senders[1] and senders[0] != threading.get_ident()

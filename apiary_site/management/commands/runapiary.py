@@ -41,9 +41,9 @@ class Command(ApiaryCommand):
         (admin, DRF), the template and admin checks load every template tag
         library (DRF's imports psycopg), about half a second together, and
         this process serves no page: the listener is a child of its own.
-        `handle` runs them when it starts one. Untagged checks (settings.py's
-        own, nothing apiary.yaml sets) cannot be selected by tag; `manage.py
-        check` and the tests run them, and the others."""
+        `handle` runs every check when it starts one. Untagged checks (axes'
+        and auth's, about settings.py and the listener's middleware) cannot be
+        selected by tag, so they run then too; `manage.py check` runs them all."""
         if tags is None:
             tags = {tag for check in registry.get_checks() for tag in check.tags} - LISTENER_CHECKS
         return super().check(*args, tags=tags, **kwargs)
@@ -54,7 +54,7 @@ class Command(ApiaryCommand):
         if refusals:  # before anything starts: no state directory, no listener, no migration
             raise CommandError("; ".join(refusals), returncode=2)
         if (config.settings.queue.listen or config.settings.admin.listen) and not options["skip_checks"]:
-            self.check(tags=LISTENER_CHECKS)  # what the listener will serve must at least load
+            super().check()  # every check, the untagged ones too: what the listener will serve must load
         try:  # before anything else starts; held until the daemon has stopped
             lock = StateLock.acquire(config.state_dir)
         except StateLocked as exc:
