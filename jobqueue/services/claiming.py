@@ -267,19 +267,19 @@ def _lease(cursor, chosen: list[dict], worker_id: str, session: str, now: dt.dat
     tokens = [secrets.token_urlsafe(32) for _ in chosen]  # 256 bits each; only their hashes are stored
     numbers = [cand["attempt_count"] + 1 for cand in chosen]
     expires = now + cfg.lease
-    n_ow, x_pires = sql.ts(now), sql.ts(expires)
+    n_ow, until = sql.ts(now), sql.ts(expires)
     statements = sql.lease(len(chosen), postgres())
     if len(statements) == 1:  # PostgreSQL
         rows = [p for cand, number, token in zip(chosen, numbers, tokens, strict=True)
                 for p in (cand["id"], number, hash_token(token))]  # fmt: skip
-        cursor.execute(statements[0], [*rows, worker_id, session, n_ow, x_pires, n_ow, worker_id])
+        cursor.execute(statements[0], [*rows, worker_id, session, n_ow, until, n_ow, worker_id])
         answered = cursor.fetchall()
         moved = answered[0][2] if answered else 0
         attempt_of = {job_id: attempt_id for attempt_id, job_id, _ in answered}
     else:
         insert_attempts, move_jobs, insert_events = statements
         rows = [p for cand, number, token in zip(chosen, numbers, tokens, strict=True)
-                for p in (cand["id"], number, worker_id, session, hash_token(token), n_ow, x_pires)]  # fmt: skip
+                for p in (cand["id"], number, worker_id, session, hash_token(token), n_ow, until)]  # fmt: skip
         cursor.execute(insert_attempts, rows)
         attempt_of = {job_id: attempt_id for attempt_id, job_id in cursor.fetchall()}
         cursor.execute(move_jobs, [p for cand, n in zip(chosen, numbers, strict=True) for p in (cand["id"], attempt_of[cand["id"]], n)])
