@@ -362,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         "jobs/s (CPU ms per job, summed over the processes: the part other processes' load does not change).",
         "enqueue: tasks pre-created by bulk_create (untimed), then one services.job_enqueue call per job, one process.",
         "claim+finish: N jobs enqueued through the services, then P claimer processes (own Django setup and"
-        " connection, one worker each, no limits) loop jobs_claim(max_jobs=1) -> attempt_finish(succeeded) until"
-        " the queue is empty; jobs/s = N / (last end - first start).",
+        " connection, one worker each, no limits) loop claim_round(max_jobs=1) -> attempt_finish(succeeded)"
+        " (with --threads T: T job threads and a claim of every free slot, sharing commits) until a round"
+        " comes back starved; jobs/s = N / (last end - first start).",
         f"latency: DEPTH+{sizes['claims'] + sizes['warmup'] + 1} queued jobs bulk-filled (one RequirementSet;"
         f" 'ineligible ahead': {sizes['depths'][-1]:,} older jobs needing runner:codex, which the worker lacks),"
         f" {sizes['warmup']} warm-up claims, then {sizes['claims']} timed jobs_claim calls, each followed by an"
