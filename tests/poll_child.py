@@ -12,26 +12,19 @@ import argparse
 import os
 import signal
 
+from tests.child import django_child
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("config")
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--kill-in-batch", type=int, default=0)
-    parser.add_argument("--migrate", action="store_true")
-    args = parser.parse_args()
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "apiary_site.settings")
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
+    args = django_child(parser)
     from workflows import services
     from workflows.config import load
     from workflows.controlplane import ControlPlane
 
-    if args.migrate:
-        call_command("migrate", verbosity=0)
     services.BATCH = args.batch
     if args.kill_in_batch:
         enqueue, batches = services.queue.jobs_enqueue_in, []

@@ -10,9 +10,10 @@ waits for ever: the parent kills the process there, between the batch and
 its answers."""
 
 import argparse
-import os
 import sys
 import threading
+
+from tests.child import django_child
 
 _out = threading.Lock()
 
@@ -28,21 +29,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--hold-batch", type=int, required=True)
-    parser.add_argument("--migrate", action="store_true")
-    args = parser.parse_args()
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "apiary_site.settings")
-    import django
-
-    django.setup()
-    from django.core.management import call_command
+    args = django_child(parser)
     from django.db import connection
 
     from jobqueue import services
     from jobqueue.groupcommit import GroupCommitter
     from tests.factories import enqueue_job, make_task, register
 
-    if args.migrate:
-        call_command("migrate", verbosity=0)
     for _ in range(args.jobs):
         enqueue_job(make_task())
     worker = register(capacity=args.jobs)
