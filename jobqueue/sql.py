@@ -347,7 +347,7 @@ def ts(value):
     """A datetime as the backend stores it: on SQLite the naive UTC text Django's
     adapt_datetimefield_value makes (the services' datetimes are aware), without
     its per-call settings lookups; on PostgreSQL the datetime itself."""
-    if value is None or not _on_sqlite():
+    if value is None or postgres():
         return value
     if value.tzinfo is None:  # as Django's adapter stores a naive one: as it is
         return str(value)
@@ -355,8 +355,10 @@ def ts(value):
 
 
 @functools.cache
-def _on_sqlite() -> bool:
-    return connection.vendor == "sqlite"  # one database per process (settings.DATABASES)
+def postgres() -> bool:
+    """Whether the database is PostgreSQL (else SQLite): one database per process (settings.DATABASES),
+    asked once, since Django's per-thread connection lookup costs more than a small statement's work."""
+    return connection.vendor == "postgresql"
 
 
 def js(value) -> str:

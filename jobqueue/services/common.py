@@ -5,11 +5,12 @@ import datetime as dt
 import functools
 import logging
 
-from django.db import OperationalError, connection, transaction
+from django.db import OperationalError, transaction
 
 from .. import sql
 from ..clock import Clock, get_clock
 from ..exceptions import Unavailable
+from ..sql import postgres  # noqa: F401 - the services' one backend test, re-exported for them
 from ..types import hash_token  # noqa: F401 - the services' one digest, re-exported for them
 
 log = logging.getLogger("apiary.queue")
@@ -41,11 +42,6 @@ def service(fn=None, *, many=None):
 
 def now_of(clock: Clock | None) -> dt.datetime:
     return (clock or get_clock()).now()
-
-
-@functools.cache
-def postgres() -> bool:
-    return connection.vendor == "postgresql"  # one database per process (settings.DATABASES)
 
 
 def event(cursor, *, job_id: int, kind: str, at: dt.datetime, worker_id=None, attempt_id=None, **detail) -> None:

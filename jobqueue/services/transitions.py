@@ -12,8 +12,6 @@ than writing over a row another process moved.
 
 import datetime as dt
 
-from django.db import connection
-
 from .. import sql
 from ..models import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, TERMINAL_JOB_STATES
 
@@ -68,7 +66,7 @@ def attempt_and_job_move(cursor, *, attempt: dict, job: dict, event: tuple, foll
     """`attempt_move(**attempt)`, `job_move(**job)` and the job's event row
     (INSERT_EVENT's parameters): on PostgreSQL in one statement, each move still
     a compare-and-set whose row count must be one."""
-    if connection.vendor != "postgresql":
+    if not sql.postgres():
         attempt_move(cursor, **attempt)
         job_move(cursor, follow_ups=follow_ups, **job)
         cursor.execute(sql.INSERT_EVENT, list(event))
@@ -104,7 +102,7 @@ def attempts_succeed(cursor, rows: list[tuple], now: dt.datetime, detail: dict) 
     check_transition(ATTEMPT_TRANSITIONS, "active", "succeeded")
     for row in rows:
         check_transition(JOB_TRANSITIONS, row[2], "succeeded")
-    n_ow, statements = sql.ts(now), sql.succeed(len(rows), connection.vendor == "postgresql")
+    n_ow, statements = sql.ts(now), sql.succeed(len(rows), sql.postgres())
     if len(statements) == 1:  # PostgreSQL
         params = [p for a, j, state, error, summary, w in rows for p in (a, j, state, error, sql.js(summary), w)]
         cursor.execute(statements[0], [*params, n_ow, n_ow, n_ow, sql.js(detail)])

@@ -13,7 +13,7 @@ import os
 import secrets
 import time
 
-from django.db import connection, transaction
+from django.db import transaction
 
 from .. import sql
 from . import notifier
@@ -64,7 +64,7 @@ def decode(text: str) -> tuple[str, Wake]:
 
 def emit(cursor, wake: Wake) -> None:
     """Announce `wake` when the current transaction commits."""
-    if connection.vendor == "postgresql":
+    if sql.postgres():
         cursor.execute(sql.NOTIFY, [CHANNEL, encode(wake)])
     else:
         cursor.execute(sql.INSERT_WAKEUP, [encode(wake)])
