@@ -4,6 +4,7 @@ whose lease ran out (the reaper, start-up reconciliation)."""
 import dataclasses
 import datetime as dt
 import hmac
+import inspect
 import random
 
 from django.db import connection
@@ -118,43 +119,49 @@ def _backoff(base: float, cap: float, failures: int) -> float:
     return delay / 2 + _jitter.uniform(0, delay / 2)
 
 
-_FINISH_ARGUMENTS = frozenset({"attempt_id", "token", "outcome", "summary", "error", "acting_as", "clock"})
+def _finish_opening(rows: dict, kw: dict) -> tuple[_Fenced | None, str | None]:
+    """A finish's checks on its attempt as read (sql.fenced_attempt's row in `rows`): InvalidRequest,
+    NotFound, StaleAttempt…, or (the attempt, None) to settle, or (None, the answer) for the
+    same finish again. Nothing is written."""
+    attempt_id, outcome = kw["attempt_id"], kw["outcome"]
+    if outcome not in OUTCOMES:
+        raise InvalidRequest(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}", field="outcome")
+    a = _fenced_row(rows.get(attempt_id), attempt_id, kw["token"], kw.get("acting_as"))
+    if a.state == outcome and a.job_state_after:  # the same finish again
+        return None, a.job_state_after
+    _require_live(attempt_id, a)
+    return a, None
 
 
 def _finish_many(calls: list[dict]) -> list[tuple[object, Exception | None]]:
     """Many attempt_finish calls in the caller's transaction (group commit): one fenced read
     of all their attempts, then one settling of every plain success (no cancel requested, no
-    follow-ups) together; any other finish runs as attempt_finish's own body. Calls that one
-    read cannot serve (different clocks, an attempt twice, unknown arguments) run one by one."""
+    follow-ups) together; any other finish is settled as attempt_finish settles one. Calls
+    that one read cannot serve (different clocks, an attempt twice, unknown arguments) run
+    one by one."""
     ids = [kw.get("attempt_id") for kw in calls]
     if len({id(kw.get("clock")) for kw in calls}) > 1 or len(set(ids)) < len(ids) or any(
         not set(kw) <= _FINISH_ARGUMENTS for kw in calls
     ):
         return [(attempt_finish.body(**kw), None) for kw in calls]
     now = now_of(calls[0].get("clock"))
-    n_ow = sql.ts(now)
     answers: list = [None] * len(calls)
     plain = []
     with connection.cursor() as cursor:
-        cursor.execute(sql.fenced_attempts(len(ids), postgres()), [n_ow, *ids])
+        cursor.execute(sql.fenced_attempts(len(ids), postgres()), [sql.ts(now), *ids])
         rows = {row[0]: row[1:] for row in cursor.fetchall()}
         for i, kw in enumerate(calls):
-            attempt_id, outcome = kw["attempt_id"], kw["outcome"]
             try:
-                if outcome not in OUTCOMES:
-                    raise InvalidRequest(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}", field="outcome")
-                a = _fenced_row(rows.get(attempt_id), attempt_id, kw["token"], kw.get("acting_as"))
-                if a.state == outcome and a.job_state_after:  # the same finish again
-                    answers[i] = (a.job_state_after, None)
-                    continue
-                _require_live(attempt_id, a)
+                a, again = _finish_opening(rows, kw)
             except QueueError as exc:  # refused before it wrote anything
                 answers[i] = (None, exc)
                 continue
-            if outcome == AttemptState.SUCCEEDED and not a.cancel_requested and not a.has_follow_ups:
+            if a is None:
+                answers[i] = (again, None)
+            elif kw["outcome"] == AttemptState.SUCCEEDED and not a.cancel_requested and not a.has_follow_ups:
                 plain.append((i, kw, a))
             else:
-                answers[i] = (attempt_finish.body(**kw), None)
+                answers[i] = (_settle(cursor, a, kw, now), None)
         if plain:
             attempts_succeed(
                 cursor,
@@ -163,9 +170,10 @@ def _finish_many(calls: list[dict]) -> list[tuple[object, Exception | None]]:
                 now,
                 {"outcome": AttemptState.SUCCEEDED, "job_state": JobState.SUCCEEDED},
             )  # fmt: skip
-            for i, _, a in plain:
-                _freed(cursor, a.job_id, a.requirements_id, None)
+            for i, _, _ in plain:
                 answers[i] = (JobState.SUCCEEDED, None)
+            if conf.current().limits.active_dimensions():  # _freed's wake, once for the slots they all freed
+                emit(cursor, Wake(requirements=None, count=len(plain)))
     return answers
 
 
@@ -185,43 +193,53 @@ def attempt_finish(
     with a retry left queues the job again after the backoff. Sending the same
     finish again returns the same answer and changes nothing. Writes queue
     tables only."""
-    if outcome not in OUTCOMES:
+    kw = {"attempt_id": attempt_id, "token": token, "outcome": outcome, "summary": summary, "error": error,
+          "acting_as": acting_as}  # fmt: skip
+    if outcome not in OUTCOMES:  # before the clock and the read, as it always was
         raise InvalidRequest(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}", field="outcome")
     now = now_of(clock)
-    summary, error = summary or {}, clean(error or "")
     with connection.cursor() as cursor:
-        a = _fenced(cursor, attempt_id, token, sql.ts(now), acting_as)
-        if a.state == outcome and a.job_state_after:  # the same finish again
-            return a.job_state_after
-        _require_live(attempt_id, a)
-        reason = ""
-        if a.cancel_requested or outcome == AttemptState.CANCELLED:
-            new_state = JobState.CANCELLED
-            reason = "cancelled on request" if a.cancel_requested else "cancelled by the worker"
-        elif outcome == AttemptState.SUCCEEDED:
-            new_state = JobState.SUCCEEDED
-        else:
-            failures = sql.one(cursor, sql.FAILED_ATTEMPTS, [a.job_id])[0] + 1
-            new_state = JobState.QUEUED if failures < a.retry_max_attempts else JobState.FAILED
-            reason = error or f"attempt {a.number} failed"
-        attempt = {
-            "attempt_id": attempt_id, "old": a.state, "new": outcome, "finished_at": now, "error": error,
-            "job_state": new_state,
-        }  # fmt: skip
-        detail = {"outcome": outcome, "job_state": new_state}
-        job = {"job_id": a.job_id, "old": a.job_state, "new": new_state}
-        if new_state == JobState.QUEUED:
-            available = now + dt.timedelta(seconds=_backoff(a.retry_backoff, a.retry_backoff_max, failures))
-            job |= {"available_at": available, "current_attempt_id": None}
-            detail |= {"retry_at": available.isoformat(), "failures": failures}
-        else:
-            job |= {"summary": summary, "finished_at": now, "reason": reason}
-        attempt_and_job_move(
-            cursor, attempt=attempt, job=job, follow_ups=UNREAD if a.has_follow_ups else "{}",
-            event=(a.job_id, "finished", sql.ts(now), a.worker_id, attempt_id, sql.js(detail)),
-        )  # fmt: skip
-        retry_in = (available - now).total_seconds() if new_state == JobState.QUEUED else None
-        _freed(cursor, a.job_id, a.requirements_id, retry_in)
+        row = sql.one(cursor, sql.fenced_attempt(postgres()), [sql.ts(now), attempt_id])
+        a, again = _finish_opening({attempt_id: row} if row is not None else {}, kw)
+        return again if a is None else _settle(cursor, a, kw, now)
+
+
+_FINISH_ARGUMENTS = frozenset(inspect.signature(attempt_finish.body).parameters)
+
+
+def _settle(cursor, a: _Fenced, kw: dict, now: dt.datetime) -> str:
+    """A checked finish's writes (the attempt, the job, its event, its follow-ups, its wakes);
+    the job's new state."""
+    attempt_id, outcome = kw["attempt_id"], kw["outcome"]
+    summary, error = kw.get("summary") or {}, clean(kw.get("error") or "")
+    reason = ""
+    if a.cancel_requested or outcome == AttemptState.CANCELLED:
+        new_state = JobState.CANCELLED
+        reason = "cancelled on request" if a.cancel_requested else "cancelled by the worker"
+    elif outcome == AttemptState.SUCCEEDED:
+        new_state = JobState.SUCCEEDED
+    else:
+        failures = sql.one(cursor, sql.FAILED_ATTEMPTS, [a.job_id])[0] + 1
+        new_state = JobState.QUEUED if failures < a.retry_max_attempts else JobState.FAILED
+        reason = error or f"attempt {a.number} failed"
+    attempt = {
+        "attempt_id": attempt_id, "old": a.state, "new": outcome, "finished_at": now, "error": error,
+        "job_state": new_state,
+    }  # fmt: skip
+    detail = {"outcome": outcome, "job_state": new_state}
+    job = {"job_id": a.job_id, "old": a.job_state, "new": new_state}
+    if new_state == JobState.QUEUED:
+        available = now + dt.timedelta(seconds=_backoff(a.retry_backoff, a.retry_backoff_max, failures))
+        job |= {"available_at": available, "current_attempt_id": None}
+        detail |= {"retry_at": available.isoformat(), "failures": failures}
+    else:
+        job |= {"summary": summary, "finished_at": now, "reason": reason}
+    attempt_and_job_move(
+        cursor, attempt=attempt, job=job, follow_ups=UNREAD if a.has_follow_ups else "{}",
+        event=(a.job_id, "finished", sql.ts(now), a.worker_id, attempt_id, sql.js(detail)),
+    )  # fmt: skip
+    retry_in = (available - now).total_seconds() if new_state == JobState.QUEUED else None
+    _freed(cursor, a.job_id, a.requirements_id, retry_in)
     return new_state
 
 

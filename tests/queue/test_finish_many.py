@@ -117,3 +117,18 @@ def test_calls_one_read_cannot_serve_run_one_by_one(clock):
     with pytest.raises(TypeError), transaction.atomic():  # an argument the service does not take
         finish_many([call, {**call, "colour": "red"}])
     assert Job.objects.get().state == "succeeded"
+
+
+def test_with_limits_the_slots_plain_successes_free_are_one_wake_for_as_many_waiters(clock, queue_config, monkeypatch):
+    from jobqueue.conf import Limits
+    from jobqueue.services import attempts
+
+    queue_config(limits=Limits(defaults={"project": 5}))
+    for _ in range(3):
+        enqueue()
+    claims = claim(register("w1", capacity=3), 3)
+    sent = []
+    monkeypatch.setattr(attempts, "emit", lambda cursor, wake: sent.append(wake))
+    with transaction.atomic():
+        finish_many([{"attempt_id": c.attempt_id, "token": c.token, "outcome": "succeeded"} for c in claims])
+    assert [(w.requirements, w.count) for w in sent] == [(None, 3)]
