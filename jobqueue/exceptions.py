@@ -37,6 +37,13 @@ class Unavailable(QueueError):
 
     code = "unavailable"
 
+    @classmethod
+    def of(cls, exc: Exception) -> "Unavailable":
+        """What a database error (OperationalError, a failed COMMIT) is answered as: retryable."""
+        mapped = cls(f"database unavailable: {exc}")
+        mapped.__cause__ = exc
+        return mapped
+
 
 class Forbidden(QueueError):
     """The caller is authenticated but may not do this (PROTOCOL.md "Worker

@@ -168,7 +168,7 @@ class GroupCommitter:
             elif not self._commit_together(batch):
                 self._commit_apart(batch)
         except DatabaseError as exc:  # BEGIN or COMMIT failed, or a call broke the transaction: nothing was written
-            failed = Unavailable(f"database unavailable: {exc}")
+            failed = Unavailable.of(exc)
             _forget_uncommitted()
         except BaseException as exc:
             failed = Unavailable(f"group commit failed: {exc!r}")  # its callers must not wait for ever
@@ -282,11 +282,7 @@ class _Refused(Exception):
 
 def _answer_of(exc: Exception) -> Exception:
     """What a caller gets for its call's error: a database error as the service's own wrapper maps it."""
-    if isinstance(exc, OperationalError):
-        mapped = Unavailable(f"database unavailable: {exc}")
-        mapped.__cause__ = exc
-        return mapped
-    return exc
+    return Unavailable.of(exc) if isinstance(exc, OperationalError) else exc
 
 
 def _nothing() -> None:
@@ -309,4 +305,4 @@ def _run_one(body: Callable, kwargs: dict):
         with transaction.atomic():
             return body(**kwargs)
     except OperationalError as exc:
-        raise Unavailable(f"database unavailable: {exc}") from exc
+        raise Unavailable.of(exc) from exc

@@ -372,8 +372,6 @@ class WorkerRuntime:
         with self.lock:
             jobs = list(self.active.items())
         for attempt_id, job in jobs:
-            if job.thread is None:  # being started by the claim loop, under the lock
-                continue
             if wait:
                 job.thread.join()
             if not job.thread.is_alive():

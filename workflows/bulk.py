@@ -13,6 +13,8 @@ import json
 
 from django.db import connection
 
+from jobqueue import sql
+
 from .models import Task, WorkflowInstance
 
 CHUNK = 500  # rows per statement: far below either backend's limit on parameters
@@ -23,7 +25,7 @@ _LINK_JOB = f"UPDATE {WorkflowInstance._meta.db_table} SET job_id = %s WHERE id 
 
 
 def _insert(table: str, columns: tuple[str, ...], rows: int, returning: str) -> str:
-    cells = "(" + ", ".join(["%s"] * len(columns)) + ")"
+    cells = f"({sql.placeholders(len(columns))})"
     return f"INSERT INTO {table} ({', '.join(columns)}) VALUES {', '.join([cells] * rows)} RETURNING {returning}"
 
 
@@ -34,14 +36,13 @@ def _stored(obj) -> None:
 
 def insert_tasks(tasks: list[Task]) -> None:
     """Insert new tasks (unique item keys of one source); sets their ids."""
-    ts = connection.ops.adapt_datetimefield_value
     with connection.cursor() as cursor:
         for start in range(0, len(tasks), CHUNK):
             chunk = tasks[start : start + CHUNK]
             params = []
             for t in chunk:
                 params += [t.source, t.item_key, t.generation, t.title, t.body, json.dumps(t.payload),
-                           t.content_hash, ts(t.created_at), ts(t.updated_at)]  # fmt: skip
+                           t.content_hash, sql.ts(t.created_at), sql.ts(t.updated_at)]  # fmt: skip
             cursor.execute(_insert(Task._meta.db_table, _TASK_COLUMNS, len(chunk), "id, item_key"), params)
             ids = {key: pk for pk, key in cursor.fetchall()}
             for t in chunk:
@@ -51,11 +52,10 @@ def insert_tasks(tasks: list[Task]) -> None:
 
 def insert_instances(instances: list[WorkflowInstance]) -> None:
     """Insert new instances (one generation per task); sets their ids."""
-    ts = connection.ops.adapt_datetimefield_value
     with connection.cursor() as cursor:
         for start in range(0, len(instances), CHUNK):
             chunk = instances[start : start + CHUNK]
-            params = [p for i in chunk for p in (i.task_id, i.generation, i.workflow, ts(i.created_at))]
+            params = [p for i in chunk for p in (i.task_id, i.generation, i.workflow, sql.ts(i.created_at))]
             table = WorkflowInstance._meta.db_table
             cursor.execute(_insert(table, _INSTANCE_COLUMNS, len(chunk), "id, task_id, workflow"), params)
             ids = {(task_id, workflow): pk for pk, task_id, workflow in cursor.fetchall()}

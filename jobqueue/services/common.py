@@ -1,6 +1,7 @@
 """What every queue service shares: the transaction wrapper, the clock, the
 backend test, token digests and the event row."""
 
+import contextlib
 import datetime as dt
 import functools
 import logging
@@ -33,11 +34,18 @@ def service(fn=None, *, many=None):
             with transaction.atomic(durable=True):
                 return fn(*args, **kwargs)
         except OperationalError as exc:
-            raise Unavailable(f"database unavailable: {exc}") from exc
+            raise Unavailable.of(exc) from exc
 
     wrapper.body = fn  # the service inside a caller's transaction (jobqueue.groupcommit runs many in one)
     fn.many = many
     return wrapper
+
+
+def savepoint_on_postgres():
+    """Around an insert that a concurrent call may collide with: on PostgreSQL a savepoint, so
+    the IntegrityError leaves the transaction usable; on SQLite nothing, since the transaction
+    holds the write lock (no concurrent call) and a failed statement undoes only itself."""
+    return transaction.atomic() if postgres() else contextlib.nullcontext()
 
 
 def now_of(clock: Clock | None) -> dt.datetime:

@@ -233,7 +233,7 @@ def job_enqueue(*, clock: Clock | None = None, **spec) -> tuple[Job, bool]:
             try:
                 done = _enqueue_alone(row, now_of(clock))
             except OperationalError as exc:
-                raise Unavailable(f"database unavailable: {exc}") from exc
+                raise Unavailable.of(exc) from exc
             if done is not None:
                 return done
     return _job_enqueue(clock=clock, **spec)

@@ -31,7 +31,7 @@ stream holds a bounded number of rows however often its sender sends.
 import datetime as dt
 import re
 
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, connection
 from django.db.models import Min
 
 from .. import sql
@@ -49,7 +49,7 @@ from ..types import (
     LogState,
 )
 from . import attempts
-from .common import now_of, postgres, service
+from .common import now_of, savepoint_on_postgres, service
 
 _STREAM_RE = re.compile(LOG_STREAM_PATTERN + r"\Z")
 MERGE_BELOW = 8 * 1024  # bytes: a chunk row is extended by later sends until it holds this much
@@ -112,15 +112,11 @@ def _stream_of(cursor, fenced, attempt_id: int, name: str, now: dt.datetime) -> 
         LogStream.objects.filter(
             job_id=fenced.job_id, attempt__number__lte=fenced.number - LOG_ATTEMPTS_KEPT
         ).delete()
-    begin = [attempt_id, fenced.job_id, name, False, sql.ts(now), sql.ts(now)]
-    if not postgres():  # SQLite: the transaction holds the write lock, no concurrent call can begin it
-        pk = sql.one(cursor, _INSERT_STREAM, begin)[0]
-    else:
-        try:
-            with transaction.atomic():
-                pk = sql.one(cursor, _INSERT_STREAM, begin)[0]
-        except IntegrityError:  # the same stream begun by a concurrent call
-            raise Unavailable(f"log stream {name!r} of attempt {attempt_id} was begun concurrently; send again") from None
+    try:
+        with savepoint_on_postgres():
+            pk = sql.one(cursor, _INSERT_STREAM, [attempt_id, fenced.job_id, name, False, sql.ts(now), sql.ts(now)])[0]
+    except IntegrityError:  # the same stream begun by a concurrent call
+        raise Unavailable(f"log stream {name!r} of attempt {attempt_id} was begun concurrently; send again") from None
     return LogStream(id=pk, attempt_id=attempt_id, job_id=fenced.job_id, name=name, received=0, dropped=0, ended=False), kept
 
 

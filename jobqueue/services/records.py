@@ -18,11 +18,10 @@ The rules, one compare-and-set each:
   that step starts from it), its value `{"content": …}`.
 """
 
-import contextlib
 import datetime as dt
 import re
 
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, connection
 
 from .. import jsonlimits, sql
 from ..clock import Clock
@@ -41,7 +40,7 @@ from ..types import (
     Record,
 )
 from . import attempts
-from .common import now_of, postgres, service
+from .common import now_of, savepoint_on_postgres, service
 
 MAX_KEY = MAX_RECORD_KEY
 MAX_VALUE_BYTES = MAX_RECORD_VALUE_BYTES
@@ -91,9 +90,7 @@ def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Recor
         started_by = number if state == RecordState.STARTED else None
         params = [fenced.job_id, key, key_kind(key), state, sql.js(value), number, started_by, sql.ts(now)]
         try:
-            # On PostgreSQL a concurrent write of the key can collide (its savepoint keeps the transaction);
-            # SQLite's write lock serialises them, and a failed statement there undoes only itself.
-            with transaction.atomic() if postgres() else contextlib.nullcontext(), connection.cursor() as cursor:
+            with savepoint_on_postgres(), connection.cursor() as cursor:
                 cursor.execute(_INSERT_RECORD, params)
             return Record(key, state, value, number, started_by, False)
         except IntegrityError:  # another write of the same key came first: decide against it

@@ -42,16 +42,18 @@ def encode(wake: Wake) -> str:
     every message distinct: PostgreSQL folds identical NOTIFYs of one
     transaction into one, and 500 jobs expired together are 500 wakes."""
     at = round(time.time() + wake.delay, 3) if wake.delay > 0 else 0
-    needs = None if wake.needs is None else [wake.needs[0], sorted(wake.needs[1]), sorted(wake.needs[2])]
-    message = [origin(), next(_serial), wake.requirements, wake.worker_id, wake.count, at, needs]
+    message = [origin(), next(_serial), wake.requirements, wake.worker_id, wake.count, at, _needs(wake)]
     return json.dumps(message, separators=(",", ":"))
 
 
 def head_and_needs(wake: Wake) -> tuple[str, int, str]:
     """encode()'s message without its class, for a statement that fills the class in itself
     (sql.insert_jobs with `notify`): origin, serial, and `needs` as JSON."""
-    needs = None if wake.needs is None else [wake.needs[0], sorted(wake.needs[1]), sorted(wake.needs[2])]
-    return origin(), next(_serial), json.dumps(needs, separators=(",", ":"))
+    return origin(), next(_serial), json.dumps(_needs(wake), separators=(",", ":"))
+
+
+def _needs(wake: Wake) -> list | None:
+    return None if wake.needs is None else [wake.needs[0], sorted(wake.needs[1]), sorted(wake.needs[2])]
 
 
 def decode(text: str) -> tuple[str, Wake]:
