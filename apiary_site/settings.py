@@ -145,6 +145,9 @@ PG_POOL = {"min_size": 2, "max_size": int(os.environ.get("APIARY_PG_POOL_SIZE", 
 def _postgres(url: str) -> dict:
     parts = urlsplit(url)
     options = dict(parse_qsl(parts.query))
+    # Django's cursors bind on the client and never prepare; this lets the queue's few
+    # hottest statements be prepared (jobqueue.sql.prepared_cursor), and nothing else.
+    options.setdefault("prepare_threshold", 5)
     if ASGI:
         options["pool"] = PG_POOL
     return {

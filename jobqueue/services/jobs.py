@@ -247,7 +247,7 @@ def _enqueue_alone(row: _Row, now: dt.datetime) -> tuple[Job, bool] | None:
     (job, created); None when its class does not exist yet (nothing was written)."""
     wake = Wake(requirements=None, needs=(row.columns["pool"], frozenset(row.labels), frozenset(row.capabilities)))
     at = sql.ts(now)
-    with connection.cursor() as cursor:
+    with sql.prepared_cursor() as cursor:
         cursor.execute(sql.insert_jobs(1, True, notify=True), [*row.params(), at, at, at, CHANNEL, *head_and_needs(wake)])
         inserted = cursor.fetchall()
     if not inserted:

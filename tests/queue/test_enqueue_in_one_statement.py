@@ -2,7 +2,8 @@
 outside any transaction of ours: the job, its `enqueued` event and its wake
 (NOTIFY) commit as one. These pin that: it is committed when the call
 returns (another connection sees the job and its event), nothing else was
-sent, the NOTIFY carries the job's class, and what the single statement
+sent, the NOTIFY carries the job's class, the server prepared the statement
+once for the connection, and what the single statement
 cannot do (a key already queued, a class never seen, an affinity key) still goes the transactional way with the same
 answers. Run on PostgreSQL by scripts/test; on SQLite only the answers are checked."""
 
@@ -63,6 +64,18 @@ def test_a_job_of_a_known_class_is_one_committed_statement_with_its_event_and_wa
     assert {f.attname: getattr(stored, f.attname) for f in Job._meta.concrete_fields} == {
         f.attname: getattr(job, f.attname) for f in Job._meta.concrete_fields
     }
+
+
+def test_the_statement_is_prepared_once_per_connection_and_run_from_its_plan(postgres_only):
+    for n in range(8):
+        services.job_enqueue(key=f"k{n}", **SPEC)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT generic_plans + custom_plans FROM pg_prepared_statements WHERE statement LIKE '%%pg_notify%%'"
+        )
+        # One prepared statement, run by every call (the first found no class, so wrote nothing,
+        # and took the transaction).
+        assert cursor.fetchall() == [(8,)]
 
 
 def test_a_key_already_queued_answers_its_job_and_writes_nothing():
