@@ -188,9 +188,11 @@ class Job(models.Model):
 class Attempt(models.Model):
     """A fenced claim of a job: an opaque token (only its hash is stored) and a lease."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    # No index of their own: (job, number) and (worker, state) below lead with them, and
+    # every index is one more write per claim.
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts", db_index=False)
     number = models.PositiveIntegerField()
-    worker = models.ForeignKey("Worker", on_delete=models.PROTECT, related_name="attempts")
+    worker = models.ForeignKey("Worker", on_delete=models.PROTECT, related_name="attempts", db_index=False)
     session = models.CharField(max_length=64)
     token_hash = models.CharField(max_length=64)
     state = models.CharField(max_length=16, choices=AttemptState.choices, default=AttemptState.ACTIVE)
@@ -231,7 +233,7 @@ class Affinity(models.Model):
 class JobEvent(models.Model):
     """A row per transition, written in the transition's own transaction."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events", db_index=False)  # jobevent_job leads with it
     kind = models.CharField(max_length=32)
     at = models.DateTimeField()
     worker_id = models.CharField(max_length=128, null=True, blank=True)
