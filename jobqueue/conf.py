@@ -7,6 +7,7 @@ They come from `settings.queue` of apiary.yaml (the config loader calls
 
 import dataclasses
 import datetime as dt
+import functools
 
 DIMENSIONS = ("project", "source", "agent", "runner", "pool")
 
@@ -31,7 +32,12 @@ class Limits:
         return self.defaults.get(dimension, 0)
 
     def active_dimensions(self) -> tuple[str, ...]:
-        """Dimensions where some key may be limited; the others cost the claim nothing."""
+        """Dimensions where some key may be limited; the others cost the claim nothing.
+        Worked out once per Limits (frozen; every claim and finish asks)."""
+        return self._active
+
+    @functools.cached_property
+    def _active(self) -> tuple[str, ...]:
         return tuple(
             d for d in DIMENSIONS if self.defaults.get(d, 0) > 0 or any(v > 0 for v in self.overrides.get(d, {}).values())
         )

@@ -349,6 +349,14 @@ def ts(value):
     its per-call settings lookups; on PostgreSQL the datetime itself."""
     if value is None or postgres():
         return value
+    return _sqlite_text(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _sqlite_text(value: dt.datetime) -> str:
+    """ts on SQLite. Cached: a call passes the same few datetimes (its `now`, a lease's
+    end) to several statements, and the conversion costs ~25 times the lookup. Equal
+    aware datetimes are the same instant, so they have the same UTC text."""
     if value.tzinfo is None:  # as Django's adapter stores a naive one: as it is
         return str(value)
     return str(value.astimezone(dt.UTC).replace(tzinfo=None))
