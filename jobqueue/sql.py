@@ -22,10 +22,12 @@ from .text import clean
 
 # --------------------------------------------------------------------------- claim
 
+# The last column, the newest job class, tells the claim whether it has classes to read (RequirementCache).
 WORKER_FOR_CLAIM = """
 SELECT w.session, w.pool, w.labels, w.capabilities, w.capacity, w.draining, w.ready, w.drain_requested,
        (SELECT COUNT(*) FROM queue_attempt a
-         WHERE a.worker_id = w.worker_id AND a.state = 'active' AND a.lease_expires_at > %s)
+         WHERE a.worker_id = w.worker_id AND a.state = 'active' AND a.lease_expires_at > %s),
+       (SELECT MAX(id) FROM queue_requirementset)
   FROM queue_worker w
  WHERE w.worker_id = %s
 """

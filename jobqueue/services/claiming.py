@@ -55,10 +55,16 @@ class RequirementCache:
             self.last_id = 0
             self.gaps: dict[int, float] = {}  # id → monotonic time it was first missed
 
-    def eligible(self, cursor, pool: str | None, labels: set[str], capabilities: set[str]) -> list[tuple[int, dict]]:
-        """[(set id, its limit keys by dimension)] for the sets this worker satisfies."""
+    def eligible(
+        self, cursor, pool: str | None, labels: set[str], capabilities: set[str], newest: int | None
+    ) -> list[tuple[int, dict]]:
+        """[(set id, its limit keys by dimension)] for the sets this worker satisfies.
+        `newest`: the highest set id in the database, read by the claim's first statement;
+        when this process has seen it and misses none below it, nothing is read."""
         with self.lock:
             last_id, gaps = self.last_id, sorted(self.gaps)
+            if (newest or 0) <= last_id and not gaps:
+                return self._met(list(self.sets.items()), pool, labels, capabilities)
         cursor.execute(sql.requirement_sets(len(gaps)), [last_id, *gaps])
         rows = cursor.fetchall()
         now = time.monotonic()
@@ -76,6 +82,10 @@ class RequirementCache:
                 if now - since > self.GAP_SECONDS:
                     del self.gaps[pk]
             known = list(self.sets.items())
+        return self._met(known, pool, labels, capabilities)
+
+    @staticmethod
+    def _met(known: list, pool: str | None, labels: set[str], capabilities: set[str]) -> list[tuple[int, dict]]:
         return [
             (pk, keys)
             for pk, (need_pool, need_labels, need_caps, keys) in known
@@ -158,7 +168,7 @@ def _claim(worker_id: str, session: str, max_jobs: int, clock: Clock | None) -> 
         row = sql.one(cursor, sql.WORKER_FOR_CLAIM, [n_ow, worker_id])
         if row is None:
             raise NotFound(f"worker {worker_id!r} is not registered", worker_id=worker_id)
-        w_session, pool, labels, capabilities, capacity, draining, ready, drain_requested, busy = row
+        w_session, pool, labels, capabilities, capacity, draining, ready, drain_requested, busy, newest_class = row
         if not hmac.compare_digest(w_session, session):
             raise SessionSuperseded(f"worker {worker_id!r} was registered again by a newer process", worker_id=worker_id)
         labels, capabilities = frozenset(sql.from_js(labels)), frozenset(sql.from_js(capabilities))
@@ -166,7 +176,7 @@ def _claim(worker_id: str, session: str, max_jobs: int, clock: Clock | None) -> 
         wanted = min(max_jobs, capacity - busy)
         if draining or drain_requested or not ready or wanted <= 0:
             return Round([], shape, starved=False)
-        eligible = requirement_cache.eligible(cursor, pool, set(labels), set(capabilities))
+        eligible = requirement_cache.eligible(cursor, pool, set(labels), set(capabilities), newest_class)
         if not eligible:
             return Round([], shape, starved=True)
         limits = cfg.limits
