@@ -142,12 +142,22 @@ ASGI = os.environ.get("APIARY_ASGI") == "1"
 PG_POOL = {"min_size": 2, "max_size": int(os.environ.get("APIARY_PG_POOL_SIZE", "24")), "timeout": 10}
 
 
+def _prepare_threshold(text: str) -> int | None:
+    if text.strip().lower() in ("", "none", "off"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise RuntimeError(f"DATABASE_URL: prepare_threshold must be a whole number or none, got {text!r}") from None
+
+
 def _postgres(url: str) -> dict:
     parts = urlsplit(url)
-    options = dict(parse_qsl(parts.query))
-    # Django's cursors bind on the client and never prepare; this lets the queue's few
+    options = dict(parse_qsl(parts.query, keep_blank_values=True))
+    # Django's cursors bind on the client and never prepare; a threshold lets the queue's
     # hottest statements be prepared (jobqueue.sql.prepared_cursor), and nothing else.
-    options.setdefault("prepare_threshold", 5)
+    # `?prepare_threshold=none` turns that off (a pooler that cannot keep prepared statements).
+    options["prepare_threshold"] = _prepare_threshold(options.get("prepare_threshold", "5"))
     if ASGI:
         options["pool"] = PG_POOL
     return {

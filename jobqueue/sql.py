@@ -351,14 +351,14 @@ def ts(value):
     its per-call settings lookups; on PostgreSQL the datetime itself."""
     if value is None or postgres():
         return value
-    return _sqlite_text(value)
+    return _sqlite_text(value, value.utcoffset())
 
 
 @functools.lru_cache(maxsize=256)
-def _sqlite_text(value: dt.datetime) -> str:
+def _sqlite_text(value: dt.datetime, _offset: dt.timedelta | None) -> str:
     """ts on SQLite. Cached: a call passes the same few datetimes (its `now`, a lease's
-    end) to several statements, and the conversion costs ~25 times the lookup. Equal
-    aware datetimes are the same instant, so they have the same UTC text."""
+    end) to several statements, and the conversion costs ~25 times the lookup. Keyed
+    with the offset too: two wall times a DST fold apart compare equal in one zone."""
     if value.tzinfo is None:  # as Django's adapter stores a naive one: as it is
         return str(value)
     return str(value.astimezone(dt.UTC).replace(tzinfo=None))
@@ -378,8 +378,9 @@ def prepared_cursor():
     (its default, for poolers in transaction mode): each statement is then parsed
     and planned again, about half of a one-row enqueue's server time here. For the
     statements run thousands of times a second; the connection keeps psycopg's
-    last 100 prepared statements. Needs a prepare_threshold in the connection's
-    OPTIONS (settings._postgres sets one): Django's None turns preparing off."""
+    last 100 prepared statements (all dropped at a rollback, then prepared again).
+    Needs a prepare_threshold in the connection's OPTIONS (settings._postgres sets
+    one): None, Django's default, turns preparing off, and this cursor is then plain."""
     connection.close_if_health_check_failed()  # as connection.cursor() does
     connection.ensure_connection()
     return connection._prepare_cursor(_prepared_class()(connection.connection))

@@ -73,11 +73,11 @@ class RequirementCache:
                 keys = {"project": project, "source": source, "agent": agent, "runner": runner, "pool": need_pool}
                 self.sets[pk] = (need_pool, frozenset(sql.from_js(need_labels)), frozenset(sql.from_js(need_caps)), keys)
                 self.gaps.pop(pk, None)
-            newest = max((row[0] for row in rows), default=0)
-            for missing in range(self.last_id + 1, newest):
+            read_up_to = max((row[0] for row in rows), default=0)
+            for missing in range(self.last_id + 1, read_up_to):
                 if missing not in self.sets:
                     self.gaps.setdefault(missing, now)
-            self.last_id = max(self.last_id, newest)
+            self.last_id = max(self.last_id, read_up_to)
             for pk, since in list(self.gaps.items()):
                 if now - since > self.GAP_SECONDS:
                     del self.gaps[pk]

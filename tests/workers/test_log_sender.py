@@ -122,4 +122,4 @@ def test_on_the_workers_job_threads_a_sender_sends_all_and_leaves_its_thread_for
         # The sender may look at the file between the write and the step's end: one chunk or two.
         assert "".join(c["text"] for c in transport.chunks) == "output\n" and transport.chunks[-1]["final"]
         wait_for(lambda: len(pool._idle) == 1, timeout=WAIT, what="the sender's thread to be idle again")
-    assert len(senders) == 2 and senders[0] == senders[1] and senders[0] != threading.get_ident()
+    assert len(set(senders)) == 1 and senders[0] != threading.get_ident()  # both jobs' chunks, one pool thread

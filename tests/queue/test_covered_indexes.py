@@ -1,0 +1,25 @@
+"""The foreign keys whose lookups a wider index serves have no index of their own
+(migration 0009): each would be one more write per claim, finish or event. Read
+from the database itself, so a migration that names the wrong index fails here."""
+
+import pytest
+from django.db import connection
+
+pytestmark = pytest.mark.django_db
+
+
+def indexes_on(table: str) -> dict[str, list[str]]:
+    with connection.cursor() as cursor:
+        constraints = connection.introspection.get_constraints(cursor, table)
+    return {name: c["columns"] for name, c in constraints.items() if c["index"] or c["unique"]}
+
+
+@pytest.mark.parametrize(("table", "column", "covered_by"), [
+    ("queue_attempt", "job_id", ["job_id", "number"]),
+    ("queue_attempt", "worker_id", ["worker_id", "state"]),
+    ("queue_jobevent", "job_id", ["job_id", "id"]),
+])  # fmt: skip
+def test_a_foreign_key_led_by_a_wider_index_has_none_of_its_own(table, column, covered_by):
+    indexes = indexes_on(table)
+    assert [name for name, columns in indexes.items() if columns == [column]] == []
+    assert covered_by in indexes.values()
