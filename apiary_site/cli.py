@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None, prog_is_manage: bool = False) -> None:
     if config:
         os.environ["APIARY_CONFIG"] = os.path.abspath(config)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "apiary_site.settings")
+    from django.core.exceptions import ImproperlyConfigured
     from django.core.management import execute_from_command_line
     from django.db import DatabaseError
 
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None, prog_is_manage: bool = False) -> None:
         return
     try:
         execute_from_command_line(routed)
+    except ImproperlyConfigured as exc:  # settings refused the environment (DATABASE_URL): it says what
+        if "--traceback" in routed:
+            raise
+        sys.stderr.write(f"apiary: {exc}\n")
+        sys.exit(2)
     except DatabaseError as exc:
         # Apiary's commands say so themselves (apiary_site.management.firstrun); this is for Django's
         # (`apiary changepassword` before any migration): one line, unless a traceback was asked for.

@@ -16,6 +16,8 @@ import secrets
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from django.core.exceptions import ImproperlyConfigured
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 CONFIG_PATH = Path(os.environ.get("APIARY_CONFIG", "apiary.yaml")).resolve()
@@ -148,7 +150,7 @@ def _prepare_threshold(text: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise RuntimeError(f"DATABASE_URL: prepare_threshold must be a whole number or none, got {text!r}") from None
+        raise ImproperlyConfigured(f"DATABASE_URL: prepare_threshold must be a whole number or none, got {text!r}") from None
 
 
 def _postgres(url: str) -> dict:
@@ -201,7 +203,7 @@ _database_url = os.environ.get("DATABASE_URL", "")
 if _database_url.startswith(("postgres://", "postgresql://")):
     DATABASES = {"default": _postgres(_database_url)}
 elif _database_url:
-    raise RuntimeError(f"DATABASE_URL must start with postgres:// or postgresql://, got {_database_url.split(':', 1)[0]}://…")
+    raise ImproperlyConfigured(f"DATABASE_URL must start with postgres:// or postgresql://, got {_database_url.split(':', 1)[0]}://…")
 else:
     DATABASES = {"default": _sqlite(Path(os.environ.get("APIARY_DB_PATH", STATE_DIR / "apiary.db")))}
 

@@ -50,3 +50,19 @@ def test_usage_lists_the_commands():
     assert out.returncode == 0
     for word in ("run", "check", "status", "worker drain ID", "task add", "cancel INSTANCE", "affinity release TASK"):
         assert word in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("mysql://u@h/db", "apiary: DATABASE_URL must start with postgres:// or postgresql://, got mysql://…"),
+        ("postgres://u@h/db?prepare_threshold=five", "apiary: DATABASE_URL: prepare_threshold must be a whole number or none, got 'five'"),
+    ],
+)  # fmt: skip
+def test_a_database_url_the_settings_refuse_is_one_line_not_a_traceback(tmp_path, url, says):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("APIARY_", "DJANGO_"))} | {"DATABASE_URL": url}
+    out = subprocess.run(
+        [sys.executable, "-c", "from apiary_site.cli import main; main(['apiary', 'status'])"],
+        capture_output=True, text=True, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, timeout=60,
+    )
+    assert (out.returncode, out.stderr) == (2, says + "\n")

@@ -3,6 +3,7 @@ prepare threshold arrives as a number psycopg can compare, or as None to turn
 preparing off; anything else is refused naming the option."""
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 
 from apiary_site.settings import _postgres
 
@@ -18,5 +19,5 @@ def test_a_threshold_in_the_url_is_a_number_or_none(given, expected):
 
 
 def test_a_threshold_that_is_not_a_number_is_refused_by_name():
-    with pytest.raises(RuntimeError, match="prepare_threshold must be a whole number or none, got 'five'"):
+    with pytest.raises(ImproperlyConfigured, match="prepare_threshold must be a whole number or none, got 'five'"):
         _postgres("postgres://u@h/db?prepare_threshold=five")
