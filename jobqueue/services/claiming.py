@@ -63,8 +63,13 @@ class RequirementCache:
         when this process has seen it and misses none below it, nothing is read."""
         with self.lock:
             last_id, gaps = self.last_id, sorted(self.gaps)
-            if (newest or 0) <= last_id and not gaps:
-                return self._met(list(self.sets.items()), pool, labels, capabilities)
+            known = list(self.sets.items()) if (newest or 0) <= last_id and not gaps else None
+        if known is None:
+            known = self._read(cursor, last_id, gaps)
+        return self._met(known, pool, labels, capabilities)
+
+    def _read(self, cursor, last_id: int, gaps: list[int]) -> list:
+        """The sets newer than `last_id` or among `gaps`, added to what the process keeps; all it keeps."""
         cursor.execute(sql.requirement_sets(len(gaps)), [last_id, *gaps])
         rows = cursor.fetchall()
         now = time.monotonic()
@@ -81,8 +86,7 @@ class RequirementCache:
             for pk, since in list(self.gaps.items()):
                 if now - since > self.GAP_SECONDS:
                     del self.gaps[pk]
-            known = list(self.sets.items())
-        return self._met(known, pool, labels, capabilities)
+            return list(self.sets.items())
 
     @staticmethod
     def _met(known: list, pool: str | None, labels: set[str], capabilities: set[str]) -> list[tuple[int, dict]]:
