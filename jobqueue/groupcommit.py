@@ -25,11 +25,15 @@ of the caller's own (a test's) runs there, as the plain service would.
 
 `call(service, **kwargs)` takes a function made with `services.common.service`
 (its body runs here: `service.body`); `defer(...)` queues one that nobody
-waits for (step history), committed with the next batch.
+waits for (step history). A deferred call does not wake the committer: it
+rides with the next call that someone waits for, or, when none comes within
+DEFER_SECONDS, commits then — so a job's step history costs no commit of its
+own, and shows at most DEFER_SECONDS late.
 """
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from django.db import (
@@ -47,6 +51,7 @@ from .exceptions import QueueError, Unavailable
 log = logging.getLogger("apiary.queue")
 
 MAX_BATCH = 256  # calls per commit: bounds how long one commit holds SQLite's write lock
+DEFER_SECONDS = 0.5  # how long a deferred call waits at most for a call to share a commit with
 
 
 class _Call:
@@ -80,11 +85,14 @@ def _in_transaction() -> bool:
 class GroupCommitter:
     IDLE_SECONDS = 5.0
 
-    def __init__(self, *, max_batch: int = MAX_BATCH):
+    def __init__(self, *, max_batch: int = MAX_BATCH, defer_seconds: float = DEFER_SECONDS):
         self.max_batch = max_batch
+        self.defer_seconds = defer_seconds
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)  # calls are queued
+        self._ready = threading.Condition(self._lock)  # a call that someone waits for is queued
         self._pending: list[_Call] = []
+        self._waited = 0  # calls in _pending that someone waits for
+        self._deferred_at: float | None = None  # monotonic time the oldest deferred call in _pending was queued
         self._running = False  # the committing thread runs
         self.before_commit: Callable[[int], None] = lambda size: None  # tests: the point to kill a process at
 
@@ -117,9 +125,36 @@ class GroupCommitter:
     def _enqueue(self, item: _Call) -> None:
         with self._lock:
             self._pending.append(item)
+            if item.waiting:
+                self._waited += 1
+            elif self._deferred_at is None:
+                self._deferred_at = time.monotonic()
             if not self._running:
                 self._start_thread()
-            self._ready.notify()
+            if item.waiting:  # a deferred call waits for company: the committer is not woken for it
+                self._ready.notify()
+
+    def _take(self) -> list[_Call] | None:
+        """Under the lock, on the committing thread: the next batch, once a call that someone waits
+        for is queued or the oldest deferred one has waited defer_seconds; None after IDLE_SECONDS
+        with nothing queued. A deferred call wakes nobody, so the idle wait is cut into slices of
+        defer_seconds: a timer's wake-up, not one per call."""
+        idle_since = time.monotonic()
+        while not self._waited:
+            now = time.monotonic()
+            if self._deferred_at is None:
+                if now - idle_since >= self.IDLE_SECONDS:
+                    return None
+                self._ready.wait(min(self.defer_seconds, self.IDLE_SECONDS))
+                continue
+            left = self._deferred_at + self.defer_seconds - now
+            if left <= 0:
+                break
+            self._ready.wait(left)
+        batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+        self._waited = sum(1 for item in self._pending if item.waiting)
+        self._deferred_at = time.monotonic() if any(not item.waiting for item in self._pending) else None
+        return batch
 
     def _start_thread(self) -> None:
         """Under the lock: the committing thread, started (a failure to start leaves no one
@@ -130,6 +165,7 @@ class GroupCommitter:
         except BaseException:
             self._running = False
             self._pending.clear()
+            self._waited, self._deferred_at = 0, None
             raise
 
     def _serve(self) -> None:
@@ -138,12 +174,10 @@ class GroupCommitter:
         try:
             while True:
                 with self._lock:
-                    if not self._pending:
-                        self._ready.wait(self.IDLE_SECONDS)
-                    if not self._pending:
+                    batch = self._take()
+                    if batch is None:
                         self._running, idle = False, True  # the next call starts a thread again
                         return
-                    batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
                 try:
                     if not self._commit(batch):  # answers every call in it, whatever happens
                         close_old_connections()  # a broken connection is replaced before the next batch

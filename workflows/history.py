@@ -40,7 +40,8 @@ class DatabaseHistory:
 
     With a `committer` (the embedded worker's transport's, jobqueue.groupcommit) each write is
     deferred into the worker's next commit: a step's history costs no commit of its own, and
-    a step that starts while the worker commits anything else shows as running with it.
+    a step shows as running with the next commit of anything else, or at most
+    groupcommit.DEFER_SECONDS after it started.
     Without one, each write is a single autocommit statement."""
 
     def __init__(self, committer=None):

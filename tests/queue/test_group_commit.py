@@ -18,6 +18,7 @@ from jobqueue.exceptions import StaleAttempt, Unavailable
 from jobqueue.groupcommit import GroupCommitter
 from jobqueue.models import Attempt, AttemptState, Job, JobEvent, JobState
 from tests.factories import claim, enqueue_job, make_task, register
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -200,6 +201,44 @@ def test_deferred_calls_are_committed_and_flush_waits_for_them():
     _in_threads([lambda: (committer.defer(services.attempt_finish, attempt_id=c.attempt_id, token=c.token,
                                           outcome="succeeded"), committer.flush())])  # fmt: skip
     assert Job.objects.get().state == JobState.SUCCEEDED
+
+
+class _CountedNotify:
+    """The committer's condition, counting the wake-ups it is sent."""
+
+    def __init__(self, condition: threading.Condition):
+        self.condition, self.notified = condition, 0
+
+    def notify(self, n: int = 1) -> None:
+        self.notified += 1
+        self.condition.notify(n)
+
+    def wait(self, timeout=None) -> bool:
+        return self.condition.wait(timeout)
+
+
+def test_a_deferred_call_wakes_no_one_and_rides_with_the_next_call_someone_waits_for():
+    claims = _claims(2)
+    committer = GroupCommitter(defer_seconds=3600)
+    sizes = []
+    committer.before_commit = sizes.append
+    committer._ready = counted = _CountedNotify(committer._ready)
+
+    def defer_then_call():
+        committer.defer(services.attempt_finish, attempt_id=claims[0].attempt_id, token=claims[0].token, outcome="succeeded")
+        assert counted.notified == 0 and sizes == []  # no commit of its own: it waits for company
+        return _finish(committer, claims[1])
+
+    assert _in_threads([defer_then_call]) == [JobState.SUCCEEDED]
+    assert sizes == [2] and counted.notified == 1  # one commit, woken once, for both
+    assert Job.objects.filter(state=JobState.SUCCEEDED).count() == 2
+
+
+def test_a_deferred_call_that_no_call_joins_commits_alone_after_defer_seconds():
+    (c,) = _claims(1)
+    committer = GroupCommitter(defer_seconds=0.05)
+    _in_threads([lambda: committer.defer(services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")])
+    wait_for(lambda: Job.objects.get().state == JobState.SUCCEEDED, timeout=10, what="the deferred finish, alone")
 
 
 def test_a_committer_idle_past_its_time_starts_again_with_the_next_call(monkeypatch):

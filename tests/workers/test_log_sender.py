@@ -34,9 +34,9 @@ def test_the_step_never_waits_for_a_control_plane_that_does_not_answer(tmp_path)
     transport = Recorder(hang=True)
     sender = LogSender(transport=transport, claim=CLAIM, interval=0.01)
     path = tmp_path / "step.log"
+    sender.step_started("plan", path)
     path.write_text("output\n")
-    sender.step_started("plan", path)  # returns although the first send hangs
-    sender.step_ended("plan")
+    sender.step_ended("plan")  # returns although the send of the output hangs
     assert sender.close(timeout=0) is False  # the finish goes on; the logs were not all sent
     transport.hang.set()
     sender.thread.join(WAIT)
@@ -123,3 +123,16 @@ def test_on_the_workers_job_threads_a_sender_sends_all_and_leaves_its_thread_for
         assert "".join(c["text"] for c in transport.chunks) == "output\n" and transport.chunks[-1]["final"]
         wait_for(lambda: len(pool._idle) == 1, timeout=WAIT, what="the sender's thread to be idle again")
     assert len(set(senders)) == 1 and senders[0] != threading.get_ident()  # both jobs' chunks, one pool thread
+
+
+
+def test_a_step_that_prints_nothing_still_ends_its_stream(tmp_path):
+    # `apiary logs` and the console list an attempt's steps by their streams: a quiet step is listed, empty.
+    transport = Recorder()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01)
+    path = tmp_path / "quiet.log"
+    path.write_text("an earlier attempt's output\n")  # the step's output begins after it
+    sender.step_started("quiet", path)
+    sender.step_ended("quiet")
+    assert sender.close(timeout=WAIT) is True
+    assert transport.chunks == [{"attempt_id": 7, "token": "t", "stream": "quiet", "offset": 0, "text": "", "final": True}]
