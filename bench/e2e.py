@@ -24,6 +24,10 @@ Columns (bench/README.md, "End to end, local mode", says more):
 * `CPU ms/job (apiary process)`: user+sys of the apiary process alone (its
   threads, not its children), from /proc/<pid>/stat of the exited child read
   before it is reaped (waitid WNOWAIT), over N.
+* `waits/job`: voluntary context switches (ru_nvcsw from os.wait4) of the child
+  and its reaped descendants, over N: each is a thread that blocked — on another
+  thread (a hand-off), a lock, an fsync, its step process. A count, not a time, so
+  it moves far less with a shared machine's load than the CPU columns.
 * `peak RSS MB`: ru_maxrss from os.wait4 of the direct child: the largest of
   the apiary process and its reaped descendants (the steps are a few MB).
 
@@ -75,7 +79,7 @@ settings:
     embedded_worker: true
 """
 
-COLUMNS = ["wall_s", "dispatch_per_s", "processing_per_s", "cpu_ms_all", "cpu_ms_apiary", "peak_rss_mb"]
+COLUMNS = ["wall_s", "dispatch_per_s", "processing_per_s", "cpu_ms_all", "cpu_ms_apiary", "switches_per_job", "peak_rss_mb"]
 
 
 def log(message: str) -> None:
@@ -163,6 +167,7 @@ def run_apiary(root: Path, source_tree: str, timeout: float) -> dict:
         "cpu_s_all": usage.ru_utime + usage.ru_stime,
         "cpu_s_apiary": own_cpu,
         "peak_rss_mb": usage.ru_maxrss / 1024,  # KiB on Linux
+        "switches": usage.ru_nvcsw,
     }
 
 
@@ -229,6 +234,7 @@ def one_run(items: int, number: int, args) -> dict:
             processing_per_s=items / processing_s if processing_s > 0 else None,
             cpu_ms_all=run["cpu_s_all"] / items * 1000,
             cpu_ms_apiary=run["cpu_s_apiary"] / items * 1000,
+            switches_per_job=run["switches"] / items,
             # Where the rest of the wall time went (JSON only): before the first task, after the last finish.
             startup_s=db["first_task_created"] - run["started_epoch"],
             dispatch_s=dispatch_s,
@@ -254,7 +260,7 @@ def row(items: int, label: str, values: dict) -> str:
 
     cells = [f"{items:,}", label, cell("wall_s", ".1f"), cell("dispatch_per_s", ".0f"),
              cell("processing_per_s", ".1f"), cell("cpu_ms_all", ".1f"), cell("cpu_ms_apiary", ".1f"),
-             cell("peak_rss_mb", ".0f")]
+             cell("switches_per_job", ".0f"), cell("peak_rss_mb", ".0f")]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -284,8 +290,8 @@ def report(args, command: str, when: str, facts: dict, tree: str, results: dict[
         f" SQLite {facts['sqlite']}; code: {tree}",
         "",
         "| items | run | wall s | dispatch items/s | processing jobs/s | CPU ms/job (all) "
-        "| CPU ms/job (apiary process) | peak RSS MB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| CPU ms/job (apiary process) | waits/job | peak RSS MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     errors = []
     for items, runs in results.items():
@@ -295,7 +301,10 @@ def report(args, command: str, when: str, facts: dict, tree: str, results: dict[
         if len(runs) > 1:
             lines.append(row(items, "**median**", medians(runs)))
     lines += ["", "CPU (all): the child and every descendant it reaped, from wait4; (apiary process): its own"
-              " threads only, from /proc/<pid>/stat at exit. Peak RSS: ru_maxrss of the direct child (wait4)."]
+              " threads only, from /proc/<pid>/stat at exit. Waits: voluntary context switches (ru_nvcsw, wait4) of the"
+              " child and its reaped descendants over N — a thread that blocked (on another thread, a lock, an fsync),"
+              " counted, not timed, so it moves little with the machine's load. Peak RSS: ru_maxrss of the direct"
+              " child (wait4)."]
     if errors:
         lines += ["", "**Errors:**", *[f"- {e}" for e in errors]]
     return "\n".join(lines) + "\n"
