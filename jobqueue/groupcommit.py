@@ -13,8 +13,8 @@ answers a refusal itself, for a call that wrote nothing, without a
 rollback.) Nothing is answered before the COMMIT that holds it returns: a
 caller gets its result (or its error) only then, and a commit
 that fails, or a transaction that a call left broken, answers every call
-in it `Unavailable`, with none of them written. No call waits for
-company: a call with nobody committing commits at once, alone.
+in it `Unavailable`, with none of them written. No call that someone
+waits for waits for company: with nobody committing it commits at once, alone.
 
 Who commits: a thread of the committer's own, on its one connection; the
 callers only wait (the embedded worker's job and log-sender threads come and
@@ -25,10 +25,13 @@ of the caller's own (a test's) runs there, as the plain service would.
 
 `call(service, **kwargs)` takes a function made with `services.common.service`
 (its body runs here: `service.body`); `defer(...)` queues one that nobody
-waits for (step history). A deferred call does not wake the committer: it
-rides with the next call that someone waits for, or, when none comes within
-DEFER_SECONDS, commits then — so a job's step history costs no commit of its
-own, and shows at most DEFER_SECONDS late.
+waits for (step history). A deferred call does not wake the committer (it
+only starts its thread when none runs): it rides with the next call that
+someone waits for, or, when none comes within DEFER_SECONDS, commits then —
+so a job's step history costs no commit of its own, and is committed about
+DEFER_SECONDS after it was queued at the latest (plus the time the commits
+ahead of it take). The embedded worker's last call as it stops, its
+`ready: false` heartbeat, commits what is still deferred.
 """
 
 import logging
@@ -86,6 +89,8 @@ class GroupCommitter:
     IDLE_SECONDS = 5.0
 
     def __init__(self, *, max_batch: int = MAX_BATCH, defer_seconds: float = DEFER_SECONDS):
+        if not defer_seconds > 0:
+            raise ValueError(f"defer_seconds must be more than 0, got {defer_seconds!r}")
         self.max_batch = max_batch
         self.defer_seconds = defer_seconds
         self._lock = threading.Lock()
@@ -131,7 +136,7 @@ class GroupCommitter:
                 self._deferred_at = time.monotonic()
             if not self._running:
                 self._start_thread()
-            if item.waiting:  # a deferred call waits for company: the committer is not woken for it
+            if item.waiting:  # a deferred call waits for company: a running committer is not woken for it
                 self._ready.notify()
 
     def _take(self) -> list[_Call] | None:
@@ -153,7 +158,8 @@ class GroupCommitter:
             self._ready.wait(left)
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
         self._waited = sum(1 for item in self._pending if item.waiting)
-        self._deferred_at = time.monotonic() if any(not item.waiting for item in self._pending) else None
+        if not any(not item.waiting for item in self._pending):  # else the oldest's time stands: left over
+            self._deferred_at = None  # from a batch cut at max_batch, they have waited that long already
         return batch
 
     def _start_thread(self) -> None:

@@ -40,7 +40,7 @@ class DatabaseHistory:
 
     With a `committer` (the embedded worker's transport's, jobqueue.groupcommit) each write is
     deferred into the worker's next commit: a step's history costs no commit of its own, and
-    a step shows as running with the next commit of anything else, or at most
+    a step shows as running with the next commit of anything else, or about
     groupcommit.DEFER_SECONDS after it started.
     Without one, each write is a single autocommit statement."""
 

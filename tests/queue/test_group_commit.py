@@ -8,6 +8,7 @@ for: the first commit is held open (`before_commit`) until every other call has
 queued behind it."""
 
 import threading
+import time
 
 import pytest
 from django.db import OperationalError, connection
@@ -234,11 +235,40 @@ def test_a_deferred_call_wakes_no_one_and_rides_with_the_next_call_someone_waits
     assert Job.objects.filter(state=JobState.SUCCEEDED).count() == 2
 
 
-def test_a_deferred_call_that_no_call_joins_commits_alone_after_defer_seconds():
-    (c,) = _claims(1)
+def test_a_deferred_call_that_no_call_joins_commits_alone_after_defer_seconds(monkeypatch):
+    claims = _claims(2)
+    monkeypatch.setattr(GroupCommitter, "IDLE_SECONDS", 60.0)  # far past the wait below: only a slice can end it
     committer = GroupCommitter(defer_seconds=0.05)
+    assert _in_threads([lambda: _finish(committer, claims[0])]) == [JobState.SUCCEEDED]  # the thread now idles
+    c = claims[1]
     _in_threads([lambda: committer.defer(services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")])
-    wait_for(lambda: Job.objects.get().state == JobState.SUCCEEDED, timeout=10, what="the deferred finish, alone")
+    wait_for(lambda: Job.objects.filter(state=JobState.SUCCEEDED).count() == 2, timeout=5,
+             what="the deferred finish, alone, within a slice of the idle wait")  # fmt: skip
+
+
+def test_deferred_calls_left_over_from_a_full_batch_do_not_wait_again():
+    from jobqueue.groupcommit import _Call
+
+    committer = GroupCommitter(max_batch=2, defer_seconds=3600)
+    committer._pending = [_Call(lambda: None, {}, waiting=False) for _ in range(3)]
+    committer._deferred_at = time.monotonic() - 7200  # queued long ago: due
+    with committer._lock:
+        assert len(committer._take()) == 2
+    taken = []
+
+    def take_again():
+        with committer._lock:
+            taken.append(committer._take())
+
+    second = threading.Thread(target=take_again, daemon=True)  # the old bookkeeping waited defer_seconds here
+    second.start()
+    second.join(10)
+    assert taken and len(taken[0]) == 1  # due as long as the batch before it, not defer_seconds more
+
+
+def test_defer_seconds_must_be_positive():
+    with pytest.raises(ValueError, match="defer_seconds"):
+        GroupCommitter(defer_seconds=0)
 
 
 def test_a_committer_idle_past_its_time_starts_again_with_the_next_call(monkeypatch):

@@ -18,8 +18,10 @@ class Recorder:
     def __init__(self, *, hang: bool = False):
         self.chunks: list[dict] = []
         self.hang = threading.Event() if hang else None
+        self.sending = threading.Event()  # a send has begun
 
     def log_append(self, **chunk) -> LogState:
+        self.sending.set()
         if self.hang is not None:
             self.hang.wait()
         self.chunks.append(chunk)
@@ -37,6 +39,7 @@ def test_the_step_never_waits_for_a_control_plane_that_does_not_answer(tmp_path)
     sender.step_started("plan", path)
     path.write_text("output\n")
     sender.step_ended("plan")  # returns although the send of the output hangs
+    assert transport.sending.wait(WAIT)
     assert sender.close(timeout=0) is False  # the finish goes on; the logs were not all sent
     transport.hang.set()
     sender.thread.join(WAIT)
@@ -123,7 +126,6 @@ def test_on_the_workers_job_threads_a_sender_sends_all_and_leaves_its_thread_for
         assert "".join(c["text"] for c in transport.chunks) == "output\n" and transport.chunks[-1]["final"]
         wait_for(lambda: len(pool._idle) == 1, timeout=WAIT, what="the sender's thread to be idle again")
     assert len(set(senders)) == 1 and senders[0] != threading.get_ident()  # both jobs' chunks, one pool thread
-
 
 
 def test_a_step_that_prints_nothing_still_ends_its_stream(tmp_path):
