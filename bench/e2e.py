@@ -26,8 +26,10 @@ Columns (bench/README.md, "End to end, local mode", says more):
   before it is reaped (waitid WNOWAIT), over N.
 * `waits/job`: voluntary context switches (ru_nvcsw from os.wait4) of the child
   and its reaped descendants, over N: each is a thread that blocked — on another
-  thread (a hand-off), a lock, an fsync, its step process. A count, not a time, so
-  it moves far less with a shared machine's load than the CPU columns.
+  thread (a hand-off), a lock, an fsync, its step process. A count, not a time,
+  but not a fixed one: a thread that finds its work already waiting does not
+  block, so it varies with how the threads interleave (65–94 for the same code
+  within half an hour on one machine).
 * `peak RSS MB`: ru_maxrss from os.wait4 of the direct child: the largest of
   the apiary process and its reaped descendants (the steps are a few MB).
 
@@ -302,9 +304,8 @@ def report(args, command: str, when: str, facts: dict, tree: str, results: dict[
             lines.append(row(items, "**median**", medians(runs)))
     lines += ["", "CPU (all): the child and every descendant it reaped, from wait4; (apiary process): its own"
               " threads only, from /proc/<pid>/stat at exit. Waits: voluntary context switches (ru_nvcsw, wait4) of the"
-              " child and its reaped descendants over N — a thread that blocked (on another thread, a lock, an fsync),"
-              " counted, not timed, so it moves little with the machine's load. Peak RSS: ru_maxrss of the direct"
-              " child (wait4)."]
+              " child and its reaped descendants over N: a thread that blocked (on another thread, a lock, an fsync)."
+              " Peak RSS: ru_maxrss of the direct child (wait4)."]
     if errors:
         lines += ["", "**Errors:**", *[f"- {e}" for e in errors]]
     return "\n".join(lines) + "\n"
