@@ -81,7 +81,7 @@ settings:
     embedded_worker: true
 """
 
-COLUMNS = ["wall_s", "dispatch_per_s", "processing_per_s", "cpu_ms_all", "cpu_ms_apiary", "switches_per_job", "peak_rss_mb"]
+COLUMNS = ["wall_s", "dispatch_per_s", "processing_per_s", "cpu_ms_all", "cpu_ms_apiary", "waits_per_job", "peak_rss_mb"]
 
 
 def log(message: str) -> None:
@@ -169,7 +169,7 @@ def run_apiary(root: Path, source_tree: str, timeout: float) -> dict:
         "cpu_s_all": usage.ru_utime + usage.ru_stime,
         "cpu_s_apiary": own_cpu,
         "peak_rss_mb": usage.ru_maxrss / 1024,  # KiB on Linux
-        "switches": usage.ru_nvcsw,
+        "waits": usage.ru_nvcsw,
     }
 
 
@@ -236,7 +236,7 @@ def one_run(items: int, number: int, args) -> dict:
             processing_per_s=items / processing_s if processing_s > 0 else None,
             cpu_ms_all=run["cpu_s_all"] / items * 1000,
             cpu_ms_apiary=run["cpu_s_apiary"] / items * 1000,
-            switches_per_job=run["switches"] / items,
+            waits_per_job=run["waits"] / items,
             # Where the rest of the wall time went (JSON only): before the first task, after the last finish.
             startup_s=db["first_task_created"] - run["started_epoch"],
             dispatch_s=dispatch_s,
@@ -262,7 +262,7 @@ def row(items: int, label: str, values: dict) -> str:
 
     cells = [f"{items:,}", label, cell("wall_s", ".1f"), cell("dispatch_per_s", ".0f"),
              cell("processing_per_s", ".1f"), cell("cpu_ms_all", ".1f"), cell("cpu_ms_apiary", ".1f"),
-             cell("switches_per_job", ".0f"), cell("peak_rss_mb", ".0f")]
+             cell("waits_per_job", ".0f"), cell("peak_rss_mb", ".0f")]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -157,9 +157,9 @@ class GroupCommitter:
                 break
             self._ready.wait(left)
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
-        self._waited = sum(1 for item in self._pending if item.waiting)
-        if not any(not item.waiting for item in self._pending):  # else the oldest's time stands: left over
-            self._deferred_at = None  # from a batch cut at max_batch, they have waited that long already
+        self._waited = sum(item.waiting for item in self._pending)
+        if self._waited == len(self._pending):  # no deferred call left over from a batch cut at max_batch
+            self._deferred_at = None  # (left over, they keep the oldest's time: they have waited that long)
         return batch
 
     def _start_thread(self) -> None:
