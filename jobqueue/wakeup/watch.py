@@ -9,7 +9,8 @@ looks when the database's WAL file is written (inotify, Linux: every commit
 of every connection writes to it), and otherwise sleeps until the next tick
 is due: no poll while nothing is written. A commit is visible some time after
 its write (the fsync comes between), so after a write it looks every
-POLL until the version moves, for at most SETTLE. Where there is no inotify
+POLL until the version moves, for at most SETTLE, and never sooner than
+POLL after the write: under a steady stream of commits it looks POLL apart. Where there is no inotify
 (another OS, a database not in WAL mode) it looks every POLL while a claim
 waits and every IDLE_POLL otherwise. Either way the watcher holds no
 transaction open (autocommit), so it never pins an old snapshot or blocks a
@@ -129,6 +130,10 @@ def _sqlite_loop(path: str, listening: threading.Event) -> None:
                         _stopping.wait(POLL)  # written, not visible yet (or written again): look again soon
                     elif _written(writes, _until_tick()):
                         settling_until = time.monotonic() + SETTLE
+                        # A commit shows some time after its write; and while commits keep coming
+                        # (this process's own, hundreds a second) there is always a new write and
+                        # a new version: without this wait the loop would look without rest.
+                        _stopping.wait(POLL)
             finally:
                 if writes is not None:
                     os.close(writes)

@@ -5,6 +5,7 @@ reach this process's waiters; this process's own are not heard twice."""
 import json
 import os
 import sqlite3
+import threading
 
 import pytest
 from django.db import connection
@@ -83,3 +84,46 @@ def test_without_a_wal_the_sqlite_watcher_has_nothing_to_wait_on_and_polls(tmp_p
     path = str(tmp_path / "rollback.db")
     sqlite3.connect(path, isolation_level=None).execute("CREATE TABLE t (x)")
     assert watch._wal_writes(path) is None
+
+
+class _CountingStop:
+    """watch._stopping for one loop: records each wait, and stops the loop after `looks` looks."""
+
+    def __init__(self, looks: int):
+        self.looks, self.waits = looks, []
+
+    def is_set(self) -> bool:
+        self.looks -= 1
+        return self.looks < 0
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        return False
+
+
+def test_on_sqlite_commits_that_keep_coming_are_looked_at_poll_apart_not_without_rest(tmp_path, monkeypatch):
+    """Under load this process commits hundreds of times a second: each commit writes the WAL and
+    moves data_version, so a watcher that looked again at once after each write never rested."""
+    if postgres():
+        pytest.skip("SQLite's watcher")
+    path = str(tmp_path / "queue.db")
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("PRAGMA journal_mode=WAL")
+    writer.execute("CREATE TABLE queue_wakeup (id INTEGER PRIMARY KEY AUTOINCREMENT, message TEXT NOT NULL)")
+    written = []
+
+    def a_commit_came(writes, timeout):  # as under load: by the time it looks, another commit came
+        writer.execute("INSERT INTO queue_wakeup (message) VALUES ('[]')")
+        written.append(timeout)
+        return True
+
+    stop = _CountingStop(looks=40)
+    monkeypatch.setattr(watch, "_stopping", stop)
+    monkeypatch.setattr(watch, "_written", a_commit_came)
+    monkeypatch.setattr(watch, "_deliver", lambda message: None)
+    try:
+        watch._sqlite_loop(path, threading.Event())
+    finally:
+        writer.close()
+    assert len(written) >= 10
+    assert stop.waits.count(watch.POLL) >= len(written)  # a rest after every write it saw
