@@ -475,7 +475,7 @@ def test_a_checkpoint_rides_a_heartbeat_and_the_next_attempt_starts_from_it_resu
         runtime.reap(wait=True)
     expire(clock)
     (tmp_path / "counts" / "go").touch()
-    (tmp_path / ".apiary" / "checkpoints" / str(job.payload["instance_id"]) / "long").write_text("a local leftover")
+    (tmp_path / ".apiary" / "logs" / str(job.payload["instance_id"]) / "long.checkpoint").write_text("a local leftover")
 
     assert Attempt().run(make_executor(tmp_path, steps=CHECKPOINT_STEPS)).outcome == "succeeded"
     assert runs(tmp_path, "long") == ["0:", "1:turn 3"]  # pre-filled from the journal, APIARY_RESUMED=1
