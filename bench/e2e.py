@@ -33,6 +33,14 @@ Columns (bench/README.md, "End to end, local mode", says more):
 * `peak RSS MB`: ru_maxrss from os.wait4 of the direct child: the largest of
   the apiary process and its reaped descendants (the steps are a few MB).
 
+Every run's project is removed only when all runs are over (`--keep`: never), so
+that no run pays for the one before: on a file system without a journal (this
+machine's root: ext4 without one) the kernel skips inodes freed in the last
+minute when it makes a new one, and each job makes four (its workspace, its log
+directory, the task file, the step's log); bench/inode_cost.py measures what
+that costs. For the same reason, leave a minute between two invocations (the
+one before removed its projects as it ended).
+
 Before the numbers count, the database (.apiary/apiary.db, opened read-only
 after the run) must hold exactly N tasks, N workflow instances, N jobs all
 succeeded and N attempts all succeeded, and the child must exit 0; otherwise
@@ -215,18 +223,15 @@ def problems_of(items: int, run: dict, db: dict) -> list[str]:
     return found
 
 
-def one_run(items: int, number: int, args) -> dict:
+def one_run(items: int, number: int, args, made: list[Path]) -> dict:
     root = make_project(items, args.capacity)
+    made.append(root)  # removed when every run is over (main): see the module's docstring
     log(f"{items} items, run {number}/{args.repeat}: {root}")
+    run = run_apiary(root, args.source_tree, args.timeout)
     try:
-        run = run_apiary(root, args.source_tree, args.timeout)
-        try:
-            db = read_database(root)
-        except sqlite3.Error as exc:  # e.g. the run failed before creating it: reported, not raised
-            db = {"error": str(exc)}
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+        db = read_database(root)
+    except sqlite3.Error as exc:  # e.g. the run failed before creating it: reported, not raised
+        db = {"error": str(exc)}
     result = {"items": items, "run": number, "dir": str(root), **run, "db": db, "problems": problems_of(items, run, db)}
     if not result["problems"]:
         dispatch_s = db["last_job_created"] - db["first_task_created"]
@@ -341,12 +346,16 @@ def main(argv: list[str] | None = None) -> int:
     when = f"{dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
     facts, tree = machine(), describe_tree(args.source_tree)
     results: dict[int, list[dict]] = {}
+    made: list[Path] = []
     try:
         for items in sizes:
-            results[items] = [one_run(items, r + 1, args) for r in range(args.repeat)]
+            results[items] = [one_run(items, r + 1, args, made) for r in range(args.repeat)]
     except (KeyboardInterrupt, TimeoutError) as exc:
         log(f"stopped: {str(exc) or 'interrupted'} (the run's process group was killed)")
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
+    finally:
+        for root in made if not args.keep else ():
+            shutil.rmtree(root, ignore_errors=True)
 
     print(report(args, command, when, facts, tree, results), end="")
     if args.json:
