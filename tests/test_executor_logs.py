@@ -39,6 +39,9 @@ class Journal:
     def record(self, key, state, value):
         return None
 
+    def record_before_finish(self, key, state, value):
+        pass
+
     def checkpoint_sent(self, checkpoint):
         pass
 

@@ -292,6 +292,43 @@ def test_finish_is_retried_until_acknowledged(clock):
     wait_for(lambda: job_state(job) == JobState.SUCCEEDED, timeout=WAIT, what="the job to succeed")
 
 
+class LastRecordExecutor(ScriptedExecutor):
+    """Records its last step's success as the real executor does: to commit with the finish."""
+
+    def run(self, claim, cancel, *, grace, journal=None):
+        journal.record_before_finish("step:last", "done", {"output": "ok"})
+        return super().run(claim, cancel, grace=grace, journal=journal)
+
+
+class LosingBatchTransport(FlakyTransport):
+    """A finish that fails takes down what was queued to commit with it, as a failed batch does."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.queued: list[dict] = []
+
+    def record_later(self, **call):
+        self.queued.append(call)
+
+    def finish(self, **kwargs):
+        queued, self.queued = self.queued, []
+        if self.finish_failures:
+            return super().finish(**kwargs)  # raises; what was queued is lost with it
+        for call in queued:
+            super().record_later(**call)
+        return super().finish(**kwargs)
+
+
+def test_a_retried_finish_carries_the_last_steps_record_again(clock):
+    job = enqueue()
+    transport = LosingBatchTransport(worker_id="w1")
+    transport.finish_failures = 2
+    runtime = make_runtime(LastRecordExecutor(), transport=transport)
+    runtime.claim_once()
+    wait_for(lambda: job_state(job) == JobState.SUCCEEDED, timeout=WAIT, what="the job to succeed")
+    assert services.records_of_job(job.pk)["step:last"].state == "done"
+
+
 def test_outbox_resends_a_finish_after_a_worker_restart(clock, tmp_path):
     job = enqueue()
     outbox = LocalDB(tmp_path / "w1.db")

@@ -366,7 +366,10 @@ class WorkerRuntime:
             else:
                 self._discard(job, f"the control plane refused a journal write as stale: {exc.message}")
 
-        return Journal(transport=self.transport, claim=job.claim, cancel=job.cancel, on_refused=refused, rand=self.rand)
+        return Journal(
+            transport=self.transport, claim=job.claim, cancel=job.cancel, on_refused=refused, rand=self.rand,
+            finish_follows=True,  # _run_job finishes the job once its executor returns
+        )
 
     def reap(self, wait: bool = False) -> None:
         with self.lock:
@@ -597,6 +600,8 @@ class WorkerRuntime:
                     delay = backoff.failed(getattr(exc, "retry_after", None))
                     log.warning("finish of attempt %s failed (%s); retrying in %.2fs", claim.attempt_id, exc, delay)
                     self.sleep(delay)
+                    if job.journal is not None:
+                        job.journal.resend_before_finish()
                     continue
                 if verdict in FATAL:
                     self._stop_for(verdict, exc)

@@ -136,6 +136,11 @@ class InProcessTransport:
     def record(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> Record:
         return self.committer.call(services.job_record, attempt_id=attempt_id, token=token, key=key, state=state, value=value)
 
+    def record_later(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> None:
+        """`record` queued to commit with the next call someone waits for (the job's finish, which
+        Journal.record_before_finish is for) and never after it: no answer, no wait of its own."""
+        self.committer.defer(services.job_record, attempt_id=attempt_id, token=token, key=key, state=state, value=value)
+
     def records(self, *, attempt_id: int, token: str) -> list[Record]:
         return self.committer.call(services.job_records, attempt_id=attempt_id, token=token)
 

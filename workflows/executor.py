@@ -217,7 +217,7 @@ class Executor:
                     break
                 failed = self._step(
                     run, step, history_id=prefix + step.id, remaining=remaining,
-                    log_path=step_logs[step.id], checkpoint=checkpoints[step.id],
+                    log_path=step_logs[step.id], checkpoint=checkpoints[step.id], last=step is steps[-1],
                 )
                 if failed is not None:
                     outcome, error = failed
@@ -236,7 +236,8 @@ class Executor:
         return Outcome(outcome, summary, error)
 
     def _step(
-        self, run: "_Run", step: StepConfig, *, history_id: str, remaining: float | None, log_path: Path, checkpoint: Path
+        self, run: "_Run", step: StepConfig, *, history_id: str, remaining: float | None, log_path: Path,
+        checkpoint: Path, last: bool,
     ) -> tuple[str, str] | None:
         """Run (or skip) one step; (outcome, error) when the job must stop here."""
         reused = self._reused(run, step)
@@ -293,7 +294,11 @@ class Executor:
                 self._record(run, effects.PUBLISH + step.id, effects.with_output({}, result.output))
             if result.status == "succeeded":
                 value = {"worker_id": self.worker_id, "workspace": str(run.workspace)}
-                self._record(run, effects.step_key(step.id, run.run_index), effects.with_output(value, result.output))
+                key, value = effects.step_key(step.id, run.run_index), effects.with_output(value, result.output)
+                if last and run.journal is not None:  # nothing runs after it but the job's finish
+                    run.journal.record_before_finish(key, "done", value)
+                else:
+                    self._record(run, key, value)
         elif result.status == "failed" and once is not None and run.journal is not None:
             # It exited non-zero: its end is known, so the next run of it is no retry of an unknown end.
             run.journal.record(effects.PUBLISH + step.id, "started", {"exited": run.claim.attempt_number})
