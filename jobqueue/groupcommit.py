@@ -30,7 +30,9 @@ only starts its thread when none runs): it rides with the next call that
 someone waits for, or, when none comes within DEFER_SECONDS, commits then —
 so a job's step history costs no commit of its own, and is committed about
 DEFER_SECONDS after it was queued at the latest (plus the time the commits
-ahead of it take). The embedded worker's last call as it stops, its
+ahead of it take). A commit that fails as a whole puts its deferred calls back
+at the head of the line, up to DEFERRED_TRIES commits (a call refused by
+itself is not tried again: its error is logged). The embedded worker's last call as it stops, its
 `ready: false` heartbeat, commits what is still deferred.
 """
 
@@ -55,16 +57,18 @@ log = logging.getLogger("apiary.queue")
 
 MAX_BATCH = 256  # calls per commit: bounds how long one commit holds SQLite's write lock
 DEFER_SECONDS = 0.5  # how long a deferred call waits at most for a call to share a commit with
+DEFERRED_TRIES = 3  # commits a deferred call is put in before a failure of the whole commit drops it
 
 
 class _Call:
     """One call in line. `done` is held from the start and released once the commit holding the
     call is over: a plain lock is the cheapest one-shot signal between two threads."""
 
-    __slots__ = ("body", "kwargs", "waiting", "done", "result", "error")
+    __slots__ = ("body", "kwargs", "waiting", "done", "result", "error", "tries")
 
     def __init__(self, body: Callable, kwargs: dict, *, waiting: bool):
         self.body, self.kwargs, self.waiting = body, kwargs, waiting  # waiting: a caller waits (not deferred)
+        self.tries = 0  # commits that failed with the call in them (a deferred call is queued again)
         self.done = threading.Lock()
         self.done.acquire()
         self.result: object = None
@@ -214,13 +218,30 @@ class GroupCommitter:
             failed = Unavailable(f"group commit failed: {exc!r}")  # its callers must not wait for ever
             raise
         finally:
+            again = []
             for item in batch:
                 if failed is not None:
                     item.result, item.error = None, failed
+                    item.tries += 1
+                    if not item.waiting and item.tries < DEFERRED_TRIES:
+                        again.append(item)  # no caller will send it again: it goes in the next commit
+                        continue
                 if item.error is not None and not item.waiting:
                     log.warning("deferred %s failed: %s", item.body.__name__, item.error)
                 item.done.release()
+            if again:
+                self._requeue(again)
         return failed is None
+
+    def _requeue(self, items: list[_Call]) -> None:
+        """Deferred calls of a commit that failed as a whole (not by an error of their own), put
+        back ahead of everything queued since, in their order: their threads went on, so nobody
+        sends them again, and a retried finish that follows them must still come after them."""
+        log.info("group commit failed; %d deferred call(s) go in the next one", len(items))
+        with self._lock:
+            self._pending[:0] = items
+            if self._deferred_at is None:
+                self._deferred_at = time.monotonic()
 
     def _commit_together(self, batch: list[_Call]) -> bool:
         """The batch in one transaction without savepoints (two statements fewer per call);

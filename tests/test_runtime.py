@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jobqueue import services
+from jobqueue import selectors, services
 from jobqueue.exceptions import StaleAttempt
 from jobqueue.models import Job, JobState
 from tests.factories import enqueue
@@ -293,9 +293,20 @@ def test_finish_is_retried_until_acknowledged(clock):
 
 
 class LastRecordExecutor(ScriptedExecutor):
-    """Records its last step's success as the real executor does: to commit with the finish."""
+    """Ends as the real executor does: its last step's log streamed and its success recorded to
+    commit with the finish."""
+
+    def __init__(self, log_dir=None, **kwargs):
+        super().__init__(**kwargs)
+        self.log_dir = log_dir
 
     def run(self, claim, cancel, *, grace, journal=None):
+        if self.log_dir is not None:
+            path = self.log_dir / f"{claim.job_id}.log"
+            path.write_bytes(b"")
+            journal.logs.step_started("last", path)
+            path.write_bytes(b"the step's output\n")
+            journal.logs.step_ended("last")
         journal.record_before_finish("step:last", "done", {"output": "ok"})
         return super().run(claim, cancel, grace=grace, journal=journal)
 
@@ -305,28 +316,33 @@ class LosingBatchTransport(FlakyTransport):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.queued: list[dict] = []
+        self.queued: list[tuple[str, dict]] = []
 
     def record_later(self, **call):
-        self.queued.append(call)
+        self.queued.append(("record_later", call))
+
+    def log_append_later(self, **call):
+        self.queued.append(("log_append_later", call))
 
     def finish(self, **kwargs):
         queued, self.queued = self.queued, []
         if self.finish_failures:
             return super().finish(**kwargs)  # raises; what was queued is lost with it
-        for call in queued:
-            super().record_later(**call)
+        for method, call in queued:
+            getattr(super(), method)(**call)
         return super().finish(**kwargs)
 
 
-def test_a_retried_finish_carries_the_last_steps_record_again(clock):
+def test_a_retried_finish_carries_the_last_steps_record_and_log_again(clock, tmp_path):
     job = enqueue()
     transport = LosingBatchTransport(worker_id="w1")
     transport.finish_failures = 2
-    runtime = make_runtime(LastRecordExecutor(), transport=transport)
+    runtime = make_runtime(LastRecordExecutor(log_dir=tmp_path), transport=transport)
     runtime.claim_once()
     wait_for(lambda: job_state(job) == JobState.SUCCEEDED, timeout=WAIT, what="the job to succeed")
     assert services.records_of_job(job.pk)["step:last"].state == "done"
+    [stream] = selectors.log_streams(job_id=job.pk)
+    assert (stream.name, stream.received, stream.ended) == ("last", len(b"the step's output\n"), True)
 
 
 def test_outbox_resends_a_finish_after_a_worker_restart(clock, tmp_path):

@@ -105,7 +105,8 @@ class Journal:
         own: one hand-off and often one commit fewer a job. Nothing acts on its answer: a stale
         attempt's record is refused, and so is its finish. Until that commit a kill loses the
         record, and the next attempt runs the step again, as a kill just before a plain record
-        would. Otherwise (a direct call of the executor, a remote worker) a plain `record`."""
+        would; a commit that fails puts it back in line, and a retried finish queues it again
+        (resend_before_finish). Otherwise (a direct call of the executor, a remote worker) a plain `record`."""
         later = getattr(self.transport, "record_later", None) if self.finish_follows else None
         if later is None:
             self.record(key, state, value)

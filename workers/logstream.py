@@ -10,7 +10,12 @@ much the step prints, and when a step has printed more than the control
 plane keeps (MAX_LOG_STREAM_BYTES) it skips ahead to the tail.
 
 Offsets count the text as sent (UTF-8 bytes), so a chunk resent after a lost
-answer is recognised and stored once. A transient failure is sent again after
+answer is recognised and stored once. In the embedded worker (`defer_final`,
+a transport with `log_append_later`) a stream's final chunk is queued on the
+group committer instead of waited for: it commits with the next call someone
+waits for (at the latest the job's finish, which the runtime sends once the
+sender is closed), and the runtime queues it again ahead of a finish it
+retries. A transient failure is sent again after
 a backoff; an answer that the attempt is stale (or this worker is superseded
 or refused) stops the sender: the runtime's heartbeats deal with the attempt.
 A chunk refused as malformed (a control plane's limit) drops that stream.
@@ -73,8 +78,12 @@ class LogSender:
         interval: float = INTERVAL,
         rand: Callable[[], float] = random.random,
         threads: JobThreads | None = None,
+        defer_final: bool = False,
     ):
         self.transport = transport
+        # The runtime's: a finish follows the job's last chunk, so a final chunk may ride with it.
+        self.later = getattr(transport, "log_append_later", None) if defer_final else None
+        self.deferred: list[dict] = []  # the final chunks queued through `later`
         self.threads = threads  # the worker's job threads, to send on one of (else a thread of its own)
         self.claim = claim
         self.interval = interval
@@ -133,6 +142,12 @@ class LogSender:
         self.stopped.set()
         self.wake.set()
 
+    def resend_deferred(self) -> None:
+        """Queue the deferred final chunks again ahead of a retried finish: the commit that failed
+        the finish may have held them (a chunk resent is recognised by its offset and kept once)."""
+        for chunk in self.deferred:
+            self.later(**chunk)
+
     # ------------------------------------------------------------------ the thread
 
     def _loop(self) -> None:
@@ -187,6 +202,12 @@ class LogSender:
 
     def _send(self, stream: _Stream, text: str, *, final: bool) -> bool:
         """One chunk, sent again while the control plane is unavailable; False when refused for good."""
+        if final and self.later is not None:  # no answer to wait for: nothing follows it but the finish
+            chunk = {"attempt_id": self.claim.attempt_id, "token": self.claim.token, "stream": stream.name,
+                     "offset": stream.offset, "text": text, "final": True}  # fmt: skip
+            self.deferred.append(chunk)
+            self.later(**chunk)
+            return True
         backoff = Backoff(**LOG_BACKOFF, rand=self.rand)
         while not self.stopped.is_set():
             try:

@@ -300,7 +300,7 @@ class WorkerRuntime:
             if job.journal is not None and "logs" in self.registration.features:
                 job.logs = job.journal.logs = LogSender(
                     transport=self.transport, claim=claim, interval=self.log_interval, rand=self.rand,
-                    threads=self.job_threads,
+                    threads=self.job_threads, defer_final=True,  # _run_job finishes the job once it is closed
                 )
             with self.lock:
                 self.active[claim.attempt_id] = job
@@ -602,6 +602,8 @@ class WorkerRuntime:
                     self.sleep(delay)
                     if job.journal is not None:
                         job.journal.resend_before_finish()
+                    if job.logs is not None:
+                        job.logs.resend_deferred()
                     continue
                 if verdict in FATAL:
                     self._stop_for(verdict, exc)

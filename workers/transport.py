@@ -149,6 +149,13 @@ class InProcessTransport:
             services.log_append, attempt_id=attempt_id, token=token, stream=stream, offset=offset, text=text, final=final
         )
 
+    def log_append_later(self, *, attempt_id: int, token: str, stream: str, offset: int, text: str, final: bool) -> None:
+        """`log_append` queued to commit with the next call someone waits for (LogSender's final
+        chunks: the job's finish follows them), in the order it was queued; no answer."""
+        self.committer.defer(
+            services.log_append, attempt_id=attempt_id, token=token, stream=stream, offset=offset, text=text, final=final
+        )
+
     def close(self) -> None:
         # Only a connection this thread opened: asking for `connection` on a thread that never
         # used the database would build a wrapper just to close it (job threads call the committer).

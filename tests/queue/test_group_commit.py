@@ -266,6 +266,56 @@ def test_deferred_calls_left_over_from_a_full_batch_do_not_wait_again():
     assert taken and len(taken[0]) == 1  # due as long as the batch before it, not defer_seconds more
 
 
+def _failing_commits(committer: GroupCommitter, failures: int) -> list[int]:
+    """before_commit that fails the next `failures` commits as a failing COMMIT does; their sizes."""
+    sizes: list[int] = []
+
+    def before_commit(size: int) -> None:
+        sizes.append(size)
+        if len(sizes) <= failures:
+            raise OperationalError("database is locked")
+
+    committer.before_commit = before_commit
+    return sizes
+
+
+def test_a_deferred_call_of_a_commit_that_failed_goes_in_the_next_one():
+    deferred, waited = _claims(2)
+    committer = GroupCommitter(defer_seconds=3600)  # only a call someone waits for commits
+    sizes = _failing_commits(committer, 1)
+
+    def defer_then_call():
+        committer.defer(services.attempt_finish, attempt_id=deferred.attempt_id, token=deferred.token, outcome="succeeded")
+        with pytest.raises(Unavailable):  # its caller sends it again, when it will: nobody does for the deferred one
+            _finish(committer, waited)
+        committer.flush()
+
+    _in_threads([defer_then_call])
+    assert sizes == [2, 2]  # the failed commit's deferred call, in the flush's commit
+    assert Job.objects.get(pk=deferred.job_id).state == JobState.SUCCEEDED
+    assert Job.objects.get(pk=waited.job_id).state == JobState.LEASED
+
+
+def test_a_deferred_call_is_dropped_after_deferred_tries_failed_commits(caplog):
+    from jobqueue.groupcommit import DEFERRED_TRIES
+
+    (c,) = _claims(1)
+    committer = GroupCommitter(defer_seconds=3600)
+    sizes = _failing_commits(committer, DEFERRED_TRIES)
+
+    def defer_then_flush():
+        committer.defer(services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
+        for _ in range(DEFERRED_TRIES):
+            with pytest.raises(Unavailable):
+                committer.flush()
+        committer.flush()  # commits: nothing is left of the deferred call to commit
+
+    _in_threads([defer_then_flush])
+    assert sizes == [2] * DEFERRED_TRIES + [1]
+    assert Job.objects.get().state == JobState.LEASED
+    assert "deferred attempt_finish failed" in caplog.text
+
+
 def test_defer_seconds_must_be_positive():
     with pytest.raises(ValueError, match="defer_seconds"):
         GroupCommitter(defer_seconds=0)

@@ -140,3 +140,39 @@ def test_a_step_that_prints_nothing_still_ends_its_stream(tmp_path):
     sender.step_ended("quiet")
     assert sender.close(timeout=WAIT) is True
     assert transport.chunks == [{"attempt_id": 7, "token": "t", "stream": "quiet", "offset": 0, "text": "", "final": True}]
+
+
+class Deferring(Recorder):
+    """The embedded worker's transport: it can also queue a chunk to commit with a later call."""
+
+    def __init__(self):
+        super().__init__()
+        self.later: list[dict] = []
+
+    def log_append_later(self, **chunk) -> None:
+        self.later.append(chunk)
+
+
+def test_in_the_embedded_worker_a_final_chunk_is_queued_to_commit_with_the_finish_not_waited_for(tmp_path):
+    transport = Deferring()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01, defer_final=True)
+    path = tmp_path / "step.log"
+    sender.step_started("plan", path)
+    path.write_text("output\n")
+    sender.step_ended("plan")
+    assert sender.close(timeout=WAIT) is True
+    [final] = transport.later
+    assert final["final"] and not any(c["final"] for c in transport.chunks)  # never waited for
+    assert "".join(c["text"] for c in transport.chunks) + final["text"] == "output\n"
+    sender.resend_deferred()  # the runtime, before it sends a failed finish again
+    assert transport.later == [final, final]
+
+
+def test_a_sender_whose_finish_does_not_follow_waits_for_every_chunk(tmp_path):
+    transport = Deferring()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01)  # no defer_final: a direct caller's
+    path = tmp_path / "step.log"
+    sender.step_started("plan", path)
+    sender.step_ended("plan")
+    assert sender.close(timeout=WAIT) is True
+    assert transport.later == [] and transport.chunks[-1]["final"]
