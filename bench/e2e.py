@@ -11,7 +11,8 @@ workflow whose only step runs `true`, the embedded worker with capacity
 `--capacity` and every other setting at its default. Then the real CLI,
 `apiary run --config <dir>/apiary.yaml --until-idle`, as a child process in
 its own session, from this checkout or from `--source-tree DIR` (its code
-first on PYTHONPATH, as bench/fleet.py does), until it exits by itself.
+first on PYTHONPATH, as bench/fleet.py does), until it exits by itself. The
+tree's packages are byte-compiled first (compile_tree), as an installed Apiary's are.
 
 Columns (bench/README.md, "End to end, local mode", says more):
 
@@ -271,6 +272,18 @@ def row(items: int, label: str, values: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+PACKAGES = ("apiary_site", "jobqueue", "workers", "workflows")
+
+
+def compile_tree(tree: str) -> None:
+    """Byte-compile the tree's packages once, as an installed Apiary is (pip compiles what it
+    installs; a checkout writes __pycache__ on its first start). Without it, where
+    PYTHONDONTWRITEBYTECODE is set (this project's machines set it), every run compiles
+    Apiary's own modules from source at start-up: ~0.4 s of CPU, 0.4 ms a job at 1,000 items."""
+    paths = [os.path.join(tree, package) for package in PACKAGES]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *paths], check=True, stdout=subprocess.DEVNULL)
+
+
 def describe_tree(tree: str) -> str:
     with contextlib.suppress(Exception):
         git = ["git", "-C", tree]
@@ -345,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "bench/e2e.py", *argv])
     when = f"{dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
     facts, tree = machine(), describe_tree(args.source_tree)
+    compile_tree(args.source_tree)
     results: dict[int, list[dict]] = {}
     made: list[Path] = []
     try:
