@@ -94,16 +94,23 @@ def _deliver(message: str) -> None:
             log.exception("wake-up watcher: could not deliver a wake")
 
 
-def _sqlite_loop(path: str, listening: threading.Event) -> None:
+def _sqlite_loop(
+    path: str, listening: threading.Event, *, stopping: threading.Event | None = None, written=None, deliver=None
+) -> None:
+    # stopping, written, deliver: a test's own, for a loop it runs on its own (the process's
+    # watcher may run meanwhile, and must go on with the module's).
+    stopping = _stopping if stopping is None else stopping
+    written = _written if written is None else written
+    deliver = _deliver if deliver is None else deliver
     if not path or path == ":memory:" or "mode=memory" in str(path):
         # No file other processes could write: only this process's own wakes exist.
         listening.set()
-        while not _stopping.is_set():
+        while not stopping.is_set():
             notifier.tick()
-            _stopping.wait(_until_tick())
+            stopping.wait(_until_tick())
         return
     last_id = None  # kept across reopens: the rows written meanwhile are read, not skipped
-    while not _stopping.is_set():
+    while not stopping.is_set():
         try:
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5)
             writes = None
@@ -114,7 +121,7 @@ def _sqlite_loop(path: str, listening: threading.Event) -> None:
                 _caught_up()
                 listening.set()
                 version, settling_until = None, 0.0
-                while not _stopping.is_set():
+                while not stopping.is_set():
                     current = db.execute("PRAGMA data_version").fetchone()[0]
                     if current != version:
                         version, settling_until = current, 0.0
@@ -122,18 +129,18 @@ def _sqlite_loop(path: str, listening: threading.Event) -> None:
                             "SELECT id, message FROM queue_wakeup WHERE id > ? ORDER BY id", (last_id,)
                         ).fetchall():
                             last_id = row_id
-                            _deliver(message)
+                            deliver(message)
                     notifier.tick()
                     if writes is None:
                         _nap()
                     elif time.monotonic() < settling_until:
-                        _stopping.wait(POLL)  # written, not visible yet (or written again): look again soon
-                    elif _written(writes, _until_tick()):
+                        stopping.wait(POLL)  # written, not visible yet (or written again): look again soon
+                    elif written(writes, _until_tick()):
                         settling_until = time.monotonic() + SETTLE
                         # A commit shows some time after its write; and while commits keep coming
                         # (this process's own, hundreds a second) there is always a new write and
                         # a new version: without this wait the loop would look without rest.
-                        _stopping.wait(POLL)
+                        stopping.wait(POLL)
             finally:
                 if writes is not None:
                     os.close(writes)

@@ -101,7 +101,7 @@ class _CountingStop:
         return False
 
 
-def test_on_sqlite_commits_that_keep_coming_are_looked_at_poll_apart_not_without_rest(tmp_path, monkeypatch):
+def test_on_sqlite_commits_that_keep_coming_are_looked_at_poll_apart_not_without_rest(tmp_path):
     """Under load this process commits hundreds of times a second: each commit writes the WAL and
     moves data_version, so a watcher that looked again at once after each write never rested."""
     if postgres():
@@ -118,11 +118,10 @@ def test_on_sqlite_commits_that_keep_coming_are_looked_at_poll_apart_not_without
         return True
 
     stop = _CountingStop(looks=40)
-    monkeypatch.setattr(watch, "_stopping", stop)
-    monkeypatch.setattr(watch, "_written", a_commit_came)
-    monkeypatch.setattr(watch, "_deliver", lambda message: None)
     try:
-        watch._sqlite_loop(path, threading.Event())
+        # Its own stop, writes and delivery, passed in: not the module's, which the process's
+        # watcher (started by an earlier test) goes on using meanwhile.
+        watch._sqlite_loop(path, threading.Event(), stopping=stop, written=a_commit_came, deliver=lambda message: None)
     finally:
         writer.close()
     assert len(written) >= 10
