@@ -6,6 +6,7 @@ import threading
 
 from jobqueue.types import LogState
 from tests.test_executor import GRACE, make_claim, make_executor
+from tests.waiting import wait_for
 from workers.logstream import LogSender
 
 
@@ -66,3 +67,22 @@ def test_each_step_streams_only_this_attempts_output_under_its_history_id(tmp_pa
     assert control.ended == set(control.text)
     log = tmp_path / ".apiary" / "logs" / "5" / "s1.log"
     assert log.read_text() == "s1 of attempt 1\ns1 of attempt 2\n"  # the file keeps both; each stream one
+
+
+def test_a_running_steps_output_streams_while_it_runs(tmp_path):
+    go = tmp_path / "go"
+    executor = make_executor(tmp_path, f'echo early; while [ ! -e "{go}" ]; do sleep 0.02; done; echo late')
+    control = Control()
+    claim = make_claim({"id": 3, "title": "t"})
+    sender = LogSender(transport=control, claim=claim, interval=0.01)
+    outcomes = []
+    run = threading.Thread(target=lambda: outcomes.append(executor.run(claim, threading.Event(), grace=GRACE, journal=Journal(sender))))
+    run.start()
+    try:
+        # The runner tells the sender it wrote output: the sender's thread starts and sends it, the step still running.
+        wait_for(lambda: control.text.get((claim.attempt_id, "s1")) == "early\n", timeout=10, what="the first line, streamed")
+    finally:
+        go.touch()
+        run.join(10)
+    assert outcomes[0].outcome == "succeeded" and sender.close(timeout=10) is True
+    assert control.text[(claim.attempt_id, "s1")] == "early\nlate\n"

@@ -2,10 +2,15 @@
 (`POST attempts/{id}/logs`; jobqueue/services/logs.py says how it keeps them).
 
 The executor writes each step's output to its log file as before and only
-tells the sender where a step's output begins and that it ended; the
-sender's own thread reads the file from there and sends what is new in
-chunks, so a slow or unreachable control plane never slows the step, and
-the file itself is the buffer: the sender holds one chunk at a time however
+tells the sender where a step's output begins, that it wrote some (the
+runner's `on_output`), and that it ended; the sender's own thread reads the
+file from there and sends what is new in chunks, so a slow or unreachable
+control plane never slows the step, and the file itself is the buffer. The
+thread starts at a step's first output, or when the sender is closed with
+something left to send; in the embedded worker a rest that fits in one final
+chunk (a quiet step's empty one, most short steps' whole output) is queued
+by the closing thread itself, so such a job costs the sender no thread at all.
+As for the buffer: the sender holds one chunk at a time however
 much the step prints, and when a step has printed more than the control
 plane keeps (MAX_LOG_STREAM_BYTES) it skips ahead to the tail.
 
@@ -104,14 +109,26 @@ class LogSender:
                 return
             self.streams.append(_Stream(stream, Path(path), _size(path)))
             if self.thread is None:
-                name = f"job-{self.claim.job_id}-logs"
-                if self.threads is not None:
-                    self.thread = self.threads.start(self._loop, name)
-                else:
-                    self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-                    self.thread.start()
-                return  # a thread just started looks at the streams first: no wake to spend
+                return  # nothing to send yet: the thread starts at the first output
         self.wake.set()
+
+    def output_written(self) -> None:
+        """The step wrote output to its log (the runner's on_output, on the job's thread): the
+        first time, the sender's thread starts; after that it looks every `interval` anyway."""
+        if self.thread is None:
+            with self.lock:
+                if self.thread is None and not self.stopped.is_set():
+                    self._start()
+
+    def _start(self) -> threading.Thread | Run:
+        """Under the lock: the sender's thread, which looks at the streams as it starts."""
+        name = f"job-{self.claim.job_id}-logs"
+        if self.threads is not None:
+            self.thread = self.threads.start(self._loop, name)
+        else:
+            self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+            self.thread.start()
+        return self.thread
 
     def step_ended(self, stream: str) -> None:
         """The step's output ends at the current end of its file: the sender sends it to there, then ends the stream."""
@@ -130,12 +147,27 @@ class LogSender:
         with self.lock:
             self.closing = True
             thread = self.thread
-        self.wake.set()
-        if thread is not None:
-            thread.join(timeout)
+            here = thread is None and self._queues_the_rest()
+            if thread is None and not here and self.streams and not self.stopped.is_set():
+                thread = self._start()
+        if here:  # no thread ever started, and nothing to wait for: the rest goes in final chunks, queued
+            for stream in list(self.streams):
+                if self._send_available(stream):
+                    self.streams.remove(stream)
+        else:
+            self.wake.set()
+            if thread is not None:
+                thread.join(timeout)
         self.stop()
         with self.lock:
             return not self.streams
+
+    def _queues_the_rest(self) -> bool:
+        """Under the lock, at close: every stream ended, and what is left of each fits in its final
+        chunk, which `later` queues without waiting."""
+        return self.later is not None and not self.stopped.is_set() and all(
+            s.end is not None and s.end - s.position <= READ_BYTES for s in self.streams
+        )
 
     def stop(self) -> None:
         """Send nothing more (the job's result is discarded, or the worker stops)."""

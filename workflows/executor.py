@@ -426,6 +426,7 @@ class Executor:
                 cancel=run.cancel,
                 grace=run.grace,
                 on_spawn=on_spawn,
+                on_output=logs.output_written if logs is not None else None,
             )
         except Exception as exc:
             # run_step reports the step's own failures as a result; this is ours (a log or

@@ -113,12 +113,15 @@ def run_step(
     cancel: threading.Event,
     grace: float = 5.0,
     on_spawn: Callable[[int], None] | None = None,
+    on_output: Callable[[], None] | None = None,
     tail_bytes: int = 4000,
 ) -> StepResult:
     """Run one step to its end and report how it ended. Never raises for the
     step's own failures (missing executable, bad cwd, non-zero exit).
 
-    `env` is the complete environment of the process (not merged with ours)."""
+    `env` is the complete environment of the process (not merged with ours).
+    `on_output()` is called on this thread each time output of the step was
+    written to its log (the log sender starts streaming at the first)."""
     log_path = Path(log_path)
     started_at = datetime.now(UTC)
     began = time.monotonic()
@@ -170,7 +173,7 @@ def run_step(
                 proc.wait()
                 raise
         try:
-            output = _Output(proc, log, capture)
+            output = _Output(proc, log, capture, on_output)
         except Exception:  # no way to watch it (out of descriptors): it must not run unwatched
             kill_process_group(pgid, 0)
             proc.wait()
@@ -297,8 +300,8 @@ class _Output:
     """The step's stdout and stderr, copied into the log (and the capture) by the thread that
     runs the step: one select over both pipes (and whatever else `_watch` registers)."""
 
-    def __init__(self, proc: subprocess.Popen, log, capture: _Capture) -> None:
-        self.proc, self.log, self.capture = proc, log, capture
+    def __init__(self, proc: subprocess.Popen, log, capture: _Capture, on_output: Callable[[], None] | None = None) -> None:
+        self.proc, self.log, self.capture, self.on_output = proc, log, capture, on_output
         # poll(2), not epoll: a step's three descriptors cost no epoll instance to create, fill and
         # close for every step, and one poll over three is as cheap as an epoll_wait.
         self.selector = selectors.PollSelector()
@@ -320,6 +323,8 @@ class _Output:
                 continue
             self.log.write(chunk)
             self.capture.add(chunk, stdout=key.data)
+            if self.on_output is not None:
+                self.on_output()
         return bool(ready)
 
     def pump_for(self, seconds: float) -> None:

@@ -1,6 +1,7 @@
 """The worker's log sender (workers/logstream.py) on its own: it never makes the step wait,
 it holds one chunk at a time however much a step prints (skipping to the tail the control
-plane keeps), and it cuts chunks at whole UTF-8 characters."""
+plane keeps), it cuts chunks at whole UTF-8 characters, and its thread starts only when
+there is output to stream."""
 
 import threading
 
@@ -38,6 +39,7 @@ def test_the_step_never_waits_for_a_control_plane_that_does_not_answer(tmp_path)
     path = tmp_path / "step.log"
     sender.step_started("plan", path)
     path.write_text("output\n")
+    sender.output_written()  # as the runner says after it wrote the step's output
     sender.step_ended("plan")  # returns although the send of the output hangs
     assert transport.sending.wait(WAIT)
     assert sender.close(timeout=0) is False  # the finish goes on; the logs were not all sent
@@ -99,6 +101,7 @@ def test_a_stopped_sender_sends_nothing_more(tmp_path):
     path.write_text("one\n")
     sender.step_started("plan", path)
     path.write_text("one\ntwo\n")
+    sender.output_written()
     wait_for(lambda: transport.chunks, timeout=WAIT, what="a first chunk")
     sender.stop()
     sender.thread.join(WAIT)
@@ -176,3 +179,46 @@ def test_a_sender_whose_finish_does_not_follow_waits_for_every_chunk(tmp_path):
     sender.step_ended("plan")
     assert sender.close(timeout=WAIT) is True
     assert transport.later == [] and transport.chunks[-1]["final"]
+
+
+def test_the_senders_thread_starts_at_the_steps_first_output_not_at_its_start(tmp_path):
+    transport = Recorder()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01)
+    path = tmp_path / "step.log"
+    sender.step_started("plan", path)
+    assert sender.thread is None  # the step runs, and has printed nothing: nothing to look at
+    path.write_text("output\n")
+    sender.output_written()
+    assert sender.thread is not None
+    wait_for(lambda: transport.chunks, timeout=WAIT, what="the output, sent while the step runs")
+    sender.step_ended("plan")
+    assert sender.close(timeout=WAIT) is True
+
+
+def test_in_the_embedded_worker_a_short_steps_log_is_queued_by_the_closing_thread_without_a_thread_of_its_own(tmp_path):
+    transport = Deferring()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01, defer_final=True)
+    quiet, short = tmp_path / "quiet.log", tmp_path / "short.log"
+    sender.step_started("quiet", quiet)
+    sender.step_ended("quiet")
+    sender.step_started("short", short)
+    short.write_text("a line the step wrote before the sender looked\n")  # no output_written: e.g. the executor's own note
+    sender.step_ended("short")
+    assert sender.close(timeout=WAIT) is True
+    assert sender.thread is None and transport.chunks == []
+    assert [(c["stream"], c["offset"], c["text"], c["final"]) for c in transport.later] == [
+        ("quiet", 0, "", True), ("short", 0, "a line the step wrote before the sender looked\n", True),
+    ]  # fmt: skip
+
+
+def test_a_rest_longer_than_a_chunk_is_sent_by_the_senders_thread_even_in_the_embedded_worker(tmp_path):
+    transport = Deferring()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01, defer_final=True)
+    path = tmp_path / "step.log"
+    sender.step_started("plan", path)
+    path.write_bytes(b"x" * (2 * READ_BYTES + 5))
+    sender.step_ended("plan")
+    assert sender.close(timeout=WAIT) is True
+    assert sender.thread is not None  # the chunks before the last are waited for, off the closing thread
+    [final] = transport.later
+    assert len(transport.chunks) == 2 and len("".join(c["text"] for c in transport.chunks) + final["text"]) == 2 * READ_BYTES + 5

@@ -630,8 +630,8 @@ def test_the_runtime_gives_the_executor_its_jobs_journal_and_heartbeats_carry_it
 
 class LoggingExecutor:
     """Writes a step's log as the workflow executor does: it tells the journal's log sender where
-    the step's output begins (the file holds an earlier attempt's output), writes a line, holds
-    until released, writes its last line and ends the step."""
+    the step's output begins (the file holds an earlier attempt's output), writes a line (and
+    says so, as the runner does), holds until released, writes its last line and ends the step."""
 
     def __init__(self, path):
         self.path = path
@@ -643,12 +643,14 @@ class LoggingExecutor:
         journal.logs.step_started("plan", self.path)
         with self.path.open("a") as log:
             log.write("first line: é\n")
+        journal.logs.output_written()
         self.started.set()
         while not self.release.is_set():
             if cancel.wait(0.01):
                 return Outcome("cancelled", {})
         with self.path.open("a") as log:
             log.write("last line\n")
+        journal.logs.output_written()
         journal.logs.step_ended("plan")
         return Outcome("succeeded", {})
 
