@@ -28,6 +28,7 @@ Chunks that arrive while the stream's last row is small extend that row, so a
 stream holds a bounded number of rows however often its sender sends.
 """
 
+import dataclasses
 import datetime as dt
 import re
 
@@ -77,7 +78,20 @@ def _checked(stream: str, offset: int, text: str) -> bytes:
     return data
 
 
-def _state(row: LogStream, *, stored: bool) -> LogState:
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    """A stream's row as this module reads and moves it (a model instance costs more to build than
+    the rest of a small append)."""
+
+    pk: int
+    attempt_id: int
+    name: str
+    received: int
+    dropped: int
+    ended: bool
+
+
+def _state(row: _Stream, *, stored: bool) -> LogState:
     return LogState(row.name, row.received, row.dropped, row.ended, stored)
 
 
@@ -96,11 +110,10 @@ UPDATE queue_logstream SET received = %s, dropped = %s, ended = %s, updated_at =
 """
 
 
-def _stream_of(cursor, fenced, attempt_id: int, name: str, now: dt.datetime) -> tuple[LogStream, int]:
+def _stream_of(cursor, fenced, attempt_id: int, name: str, now: dt.datetime) -> tuple[_Stream, int]:
     """The attempt's stream `name` (begun now when new) and the bytes all its streams keep."""
     cursor.execute(_STREAMS_OF_ATTEMPT, [attempt_id])
-    streams = [LogStream(id=pk, attempt_id=attempt_id, job_id=fenced.job_id, name=n, received=r, dropped=d, ended=bool(e))
-               for pk, n, r, d, e in cursor.fetchall()]  # fmt: skip
+    streams = [_Stream(pk, attempt_id, n, r, d, bool(e)) for pk, n, r, d, e in cursor.fetchall()]
     kept = sum(row.received - row.dropped for row in streams)
     for row in streams:
         if row.name == name:
@@ -117,10 +130,10 @@ def _stream_of(cursor, fenced, attempt_id: int, name: str, now: dt.datetime) -> 
             pk = sql.one(cursor, _INSERT_STREAM, [attempt_id, fenced.job_id, name, False, sql.ts(now), sql.ts(now)])[0]
     except IntegrityError:  # the same stream begun by a concurrent call
         raise Unavailable(f"log stream {name!r} of attempt {attempt_id} was begun concurrently; send again") from None
-    return LogStream(id=pk, attempt_id=attempt_id, job_id=fenced.job_id, name=name, received=0, dropped=0, ended=False), kept
+    return _Stream(pk, attempt_id, name, 0, 0, False), kept
 
 
-def _append(cursor, row: LogStream, offset: int, data: bytes) -> tuple[int, int]:
+def _append(cursor, row: _Stream, offset: int, data: bytes) -> tuple[int, int]:
     """Store `data` at `offset` (== row.received, or beyond it: a skip); (received, dropped) after."""
     dropped = row.dropped
     if offset > row.received:  # the sender skipped text: what came before is no tail of the stream now
@@ -198,7 +211,7 @@ def log_append(
     return _state(row, stored=True)
 
 
-def _move(cursor, row: LogStream, *, received: int, dropped: int, ended: bool, now: dt.datetime) -> None:
+def _move(cursor, row: _Stream, *, received: int, dropped: int, ended: bool, now: dt.datetime) -> None:
     """The stream's compare-and-set: from the end this call read, or nothing (a concurrent append)."""
     cursor.execute(_MOVE_STREAM, [received, dropped, ended, sql.ts(now), row.pk, row.received, row.ended])
     if cursor.rowcount != 1:

@@ -45,6 +45,7 @@ from .common import now_of, savepoint_on_postgres, service
 MAX_KEY = MAX_RECORD_KEY
 MAX_VALUE_BYTES = MAX_RECORD_VALUE_BYTES
 _STEP_RE = re.compile(WORKER_ID_PATTERN + r"\Z")
+_STATES = frozenset(RecordState.values)  # Choices.values builds a new list at each look
 
 
 def _of(row: JobRecord, *, already_done: bool = False) -> Record:
@@ -53,7 +54,7 @@ def _of(row: JobRecord, *, already_done: bool = False) -> Record:
 
 def _checked(key: str, state: str, value: dict | None) -> dict:
     """The value to store; InvalidRequest naming the field that is not a record's."""
-    if state not in RecordState.values:
+    if state not in _STATES:
         raise InvalidRequest(f"state must be one of {', '.join(RecordState.values)}, got {state!r}", field="state")
     if not isinstance(key, str) or not key or len(key) > MAX_KEY:
         raise InvalidRequest(f"key must be 1–{MAX_KEY} characters", field="key")
