@@ -238,6 +238,8 @@ class GroupCommitter:
         back ahead of everything queued since, in their order: their threads went on, so nobody
         sends them again, and a retried finish that follows them must still come after them."""
         log.info("group commit failed; %d deferred call(s) go in the next one", len(items))
+        for item in items:
+            item.result = item.error = None  # this try's answer is not theirs: the next commit's is
         with self._lock:
             self._pending[:0] = items
             if self._deferred_at is None:

@@ -106,7 +106,9 @@ class Journal:
         attempt's record is refused, and so is its finish. Until that commit a kill loses the
         record, and the next attempt runs the step again, as a kill just before a plain record
         would; a commit that fails puts it back in line, and a retried finish queues it again
-        (resend_before_finish). Otherwise (a direct call of the executor, a remote worker) a plain `record`."""
+        (resend_before_finish). A refusal of the record itself (a full journal) is logged and
+        does not fail the job, which succeeded: only a later re-run of the job misses the
+        record and runs the step again. Otherwise (a direct call of the executor, a remote worker) a plain `record`."""
         later = getattr(self.transport, "record_later", None) if self.finish_follows else None
         if later is None:
             self.record(key, state, value)
@@ -116,7 +118,9 @@ class Journal:
 
     def resend_before_finish(self) -> None:
         """Queue the record_before_finish again ahead of a retried finish: the batch that failed
-        the finish failed it too (a record is safe to resend)."""
+        the finish failed it too (a record is safe to resend). The group committer puts a failed
+        commit's deferred calls back in line by itself, for a few commits: this covers a finish
+        that keeps failing longer."""
         if self.before_finish is not None:
             key, state, value = self.before_finish
             self.transport.record_later(attempt_id=self.claim.attempt_id, token=self.claim.token, key=key, state=state, value=value)

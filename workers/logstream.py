@@ -8,8 +8,9 @@ file from there and sends what is new in chunks, so a slow or unreachable
 control plane never slows the step, and the file itself is the buffer. The
 thread starts at a step's first output, or when the sender is closed with
 something left to send; in the embedded worker a rest that fits in one final
-chunk (a quiet step's empty one, most short steps' whole output) is queued
-by the closing thread itself, so such a job costs the sender no thread at all.
+chunk and that no thread was started for (a quiet step's empty one, the
+executor's own note on a step that could not start) is queued by the closing
+thread itself, so a job whose steps print nothing costs the sender no thread.
 As for the buffer: the sender holds one chunk at a time however
 much the step prints, and when a step has printed more than the control
 plane keeps (MAX_LOG_STREAM_BYTES) it skips ahead to the tail.
@@ -170,14 +171,20 @@ class LogSender:
         )
 
     def stop(self) -> None:
-        """Send nothing more (the job's result is discarded, or the worker stops)."""
-        self.stopped.set()
+        """Send nothing more (the job's result is discarded, or the worker stops). Under the lock:
+        once it returns, no final chunk is queued any more (close() returns, then the finish is sent)."""
+        with self.lock:
+            self.stopped.set()
         self.wake.set()
 
     def resend_deferred(self) -> None:
         """Queue the deferred final chunks again ahead of a retried finish: the commit that failed
-        the finish may have held them (a chunk resent is recognised by its offset and kept once)."""
-        for chunk in self.deferred:
+        the finish may have held them (a chunk resent is recognised by its offset and kept once).
+        The group committer puts a failed commit's deferred calls back in line by itself, for a few
+        commits: this covers a finish that keeps failing longer."""
+        with self.lock:
+            chunks = list(self.deferred)
+        for chunk in chunks:
             self.later(**chunk)
 
     # ------------------------------------------------------------------ the thread
@@ -237,8 +244,11 @@ class LogSender:
         if final and self.later is not None:  # no answer to wait for: nothing follows it but the finish
             chunk = {"attempt_id": self.claim.attempt_id, "token": self.claim.token, "stream": stream.name,
                      "offset": stream.offset, "text": text, "final": True}  # fmt: skip
-            self.deferred.append(chunk)
-            self.later(**chunk)
+            with self.lock:  # never queued after stop(): the finish may be queued right after it
+                if self.stopped.is_set():
+                    return False
+                self.deferred.append(chunk)
+                self.later(**chunk)
             return True
         backoff = Backoff(**LOG_BACKOFF, rand=self.rand)
         while not self.stopped.is_set():

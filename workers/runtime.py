@@ -12,9 +12,11 @@ Threads:
   `heartbeat_interval`; a `cancel` answer, a stale attempt or a lease that
   must have passed stops that job's runner;
 * a thread per job, running the executor and then sending the finish;
-* a log sender thread per job (workers/logstream.py) while its steps run,
-  streaming their output to the control plane; the job's finish waits for
-  it (at most LOG_FLUSH_WAIT), since the finished attempt takes no more.
+* a log sender per job (workers/logstream.py), on a thread of its own from
+  a step's first output, streaming the steps' output to the control plane;
+  the job's finish waits for it (at most LOG_FLUSH_WAIT), since the finished
+  attempt takes no more (in the embedded worker the final chunks are queued
+  to commit ahead of the finish instead of waited for).
 
 Heartbeats do not back off: one try each, and the next round beats again at
 the heartbeat cadence, because leases depend on them.

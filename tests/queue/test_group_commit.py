@@ -279,7 +279,7 @@ def _failing_commits(committer: GroupCommitter, failures: int) -> list[int]:
     return sizes
 
 
-def test_a_deferred_call_of_a_commit_that_failed_goes_in_the_next_one():
+def test_a_deferred_call_of_a_commit_that_failed_goes_in_the_next_one(caplog):
     deferred, waited = _claims(2)
     committer = GroupCommitter(defer_seconds=3600)  # only a call someone waits for commits
     sizes = _failing_commits(committer, 1)
@@ -294,6 +294,7 @@ def test_a_deferred_call_of_a_commit_that_failed_goes_in_the_next_one():
     assert sizes == [2, 2]  # the failed commit's deferred call, in the flush's commit
     assert Job.objects.get(pk=deferred.job_id).state == JobState.SUCCEEDED
     assert Job.objects.get(pk=waited.job_id).state == JobState.LEASED
+    assert "deferred attempt_finish failed" not in caplog.text  # it did not: the second commit holds it
 
 
 def test_a_deferred_call_is_dropped_after_deferred_tries_failed_commits(caplog):

@@ -222,3 +222,17 @@ def test_a_rest_longer_than_a_chunk_is_sent_by_the_senders_thread_even_in_the_em
     assert sender.thread is not None  # the chunks before the last are waited for, off the closing thread
     [final] = transport.later
     assert len(transport.chunks) == 2 and len("".join(c["text"] for c in transport.chunks) + final["text"]) == 2 * READ_BYTES + 5
+
+
+def test_once_stopped_a_sender_queues_no_final_chunk(tmp_path):
+    # The runtime sends the finish once close() (which stops the sender) returned: a final chunk
+    # queued by a sender thread still running would commit after it, and be refused as stale.
+    transport = Deferring()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01, defer_final=True)
+    path = tmp_path / "step.log"
+    sender.step_started("plan", path)
+    sender.step_ended("plan")
+    [stream] = sender.streams
+    sender.stop()
+    assert sender._send(stream, "late", final=True) is False  # what a thread past its last look would try
+    assert sender.close(timeout=0) is False and transport.later == [] and transport.chunks == []
