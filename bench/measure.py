@@ -135,7 +135,8 @@ def run_throughput(spec: dict) -> dict:
 def run_claimer(spec: dict) -> dict:
     """One worker. With `threads` T = 1: plain service calls, one job at a time. With T > 1,
     the embedded worker's pattern: capacity T, a claim loop that claims up to its free
-    slots in one call, and T job threads that finish the jobs; every call goes through one
+    slots in one call, and T job threads that finish the jobs, each finish claiming the
+    thread's next job (attempt_finish_and_claim); every call goes through one
     GroupCommitter, so calls made at the same moment share a commit."""
     django_setup(migrate=False)
     from django.db import connection
@@ -203,8 +204,13 @@ def _drain_in_threads(worker, threads: int, call) -> dict:
         mine = {"claimed": 0, "retries": 0}
         try:
             while (c := work.get()) is not None:
-                _retried(mine, call, services.attempt_finish, attempt_id=c.attempt_id, token=c.token, outcome="succeeded")
-                mine["claimed"] += 1
+                while c is not None:  # each finish claims the thread's next job, as the embedded worker's do
+                    done = _retried(
+                        mine, call, services.attempt_finish_and_claim, attempt_id=c.attempt_id, token=c.token,
+                        outcome="succeeded", worker_id=worker.worker_id, session=worker.session, max_jobs=1,
+                    )  # fmt: skip
+                    mine["claimed"] += 1
+                    c = done.claims[0] if done.claims else None
                 slots.release()
         finally:
             connection.close()

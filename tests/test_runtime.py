@@ -73,11 +73,18 @@ class FlakyTransport(InProcessTransport):
             raise TransportError("connection refused")
         return super().worker_heartbeat(**kwargs)
 
-    def finish(self, **kwargs):
+    def _finish_fails(self) -> None:
         if self.down or self.finish_failures:
             self.finish_failures = max(0, self.finish_failures - 1)
             raise TransportError("connection reset")
+
+    def finish(self, **kwargs):
+        self._finish_fails()
         return super().finish(**kwargs)
+
+    def finish_and_claim(self, **kwargs):  # the first try of a finish (the runtime claims with it)
+        self._finish_fails()
+        return super().finish_and_claim(**kwargs)
 
 
 _made: list[WorkerRuntime] = []
@@ -139,7 +146,8 @@ def test_never_claims_beyond_capacity(clock):
     assert runtime.claim_once() == 0
     executor.release.set()
     runtime.reap(wait=True)
-    assert runtime.claim_once() == 1
+    # The third job went to the first of them to finish, claimed with its finish.
+    assert runtime.finished_count == 3 and runtime.claim_once() == 0
 
 
 def test_cancel_answer_stops_the_runner_and_finishes_cancelled(clock):
@@ -261,11 +269,16 @@ class SlowFinishTransport(FlakyTransport):
         self.committed = threading.Event()
         self.answer = threading.Event()
 
-    def finish(self, **kwargs):
-        state = super().finish(**kwargs)
+    def _held(self, answer):
         self.committed.set()
         self.answer.wait(WAIT)
-        return state
+        return answer
+
+    def finish(self, **kwargs):
+        return self._held(super().finish(**kwargs))
+
+    def finish_and_claim(self, **kwargs):
+        return self._held(super().finish_and_claim(**kwargs))
 
 
 def test_a_heartbeat_answered_stale_because_the_finish_landed_discards_nothing(clock, caplog):
@@ -324,13 +337,19 @@ class LosingBatchTransport(FlakyTransport):
     def log_append_later(self, **call):
         self.queued.append(("log_append_later", call))
 
-    def finish(self, **kwargs):
+    def _with_queued(self, send, kwargs):
         queued, self.queued = self.queued, []
         if self.finish_failures:
-            return super().finish(**kwargs)  # raises; what was queued is lost with it
+            return send(**kwargs)  # raises; what was queued is lost with it
         for method, call in queued:
             getattr(super(), method)(**call)
-        return super().finish(**kwargs)
+        return send(**kwargs)
+
+    def finish(self, **kwargs):
+        return self._with_queued(super().finish, kwargs)
+
+    def finish_and_claim(self, **kwargs):
+        return self._with_queued(super().finish_and_claim, kwargs)
 
 
 def test_a_retried_finish_carries_the_last_steps_record_and_log_again(clock, tmp_path):

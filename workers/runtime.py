@@ -11,7 +11,11 @@ Threads:
   request back) and one heartbeat per active attempt every
   `heartbeat_interval`; a `cancel` answer, a stale attempt or a lease that
   must have passed stops that job's runner;
-* a thread per job, running the executor and then sending the finish;
+* a thread per job, running the executor and then sending the finish; where
+  the transport can claim in the finish's commit (the in-process one's
+  `finish_and_claim`), the first try of a finish claims the thread's next
+  job too (not while draining), and the thread runs that one next, started
+  as `claim_once` starts a claim (`_start`): heartbeated and fenced alike;
 * a log sender per job (workers/logstream.py), on a thread of its own from
   a step's first output, streaming the steps' output to the control plane;
   the job's finish waits for it (at most LOG_FLUSH_WAIT), since the finished
@@ -285,33 +289,43 @@ class WorkerRuntime:
         # heartbeat (a fresh, known starting point) before its runner starts.
         late = self.monotonic() - sent > self.margin / 2
         for claim in claims:
-            acked = sent
-            if late:
-                confirmed = self._confirm(claim)
-                if confirmed is None:
-                    continue
-                acked = confirmed
-            log.info(
-                "claim: job %s attempt %s (#%s) agent %s runner %s",
-                claim.job_id, claim.attempt_id, claim.attempt_number, claim.agent, claim.runner,
-            )
-            job = ActiveJob(claim=claim, acked_at=acked, next_heartbeat=acked + self.beat_every)
-            # A control plane from before the journal (no `journal` feature) keeps none: the executor
-            # then refuses publish and spawn steps and runs the rest as before.
-            job.journal = self._journal(job) if "journal" in self.registration.features else None
-            if job.journal is not None and "logs" in self.registration.features:
-                job.logs = job.journal.logs = LogSender(
-                    transport=self.transport, claim=claim, interval=self.log_interval, rand=self.rand,
-                    threads=self.job_threads, defer_final=True,  # _run_job finishes the job once it is closed
-                )
-            with self.lock:
-                self.active[claim.attempt_id] = job
-                try:
-                    job.thread = self.job_threads.start(lambda job=job: self._run_job(job), f"job-{claim.job_id}")
-                except BaseException:  # no thread (the OS refused one): the slot is free, the lease runs out
-                    del self.active[claim.attempt_id]
-                    raise
+            self._start(claim, sent, late)
         return len(claims)
+
+    def _start(self, claim: Claim, sent: float, late: bool, *, thread: Run | None = None) -> ActiveJob | None:
+        """Make a claim an active job: confirmed first when `late`, with its journal and log
+        sender, on a job thread of its own, or on `thread` (the job thread that claimed it
+        with its finish, which runs it next). None when the claim is already stale."""
+        acked = sent
+        if late:
+            confirmed = self._confirm(claim)
+            if confirmed is None:
+                return None
+            acked = confirmed
+        log.info(
+            "claim: job %s attempt %s (#%s) agent %s runner %s",
+            claim.job_id, claim.attempt_id, claim.attempt_number, claim.agent, claim.runner,
+        )
+        job = ActiveJob(claim=claim, acked_at=acked, next_heartbeat=acked + self.beat_every)
+        # A control plane from before the journal (no `journal` feature) keeps none: the executor
+        # then refuses publish and spawn steps and runs the rest as before.
+        job.journal = self._journal(job) if "journal" in self.registration.features else None
+        if job.journal is not None and "logs" in self.registration.features:
+            job.logs = job.journal.logs = LogSender(
+                transport=self.transport, claim=claim, interval=self.log_interval, rand=self.rand,
+                threads=self.job_threads, defer_final=True,  # _run_job finishes the job once it is closed
+            )
+        with self.lock:
+            self.active[claim.attempt_id] = job
+            if thread is not None:
+                job.thread = thread
+                return job
+            try:
+                job.thread = self.job_threads.start(lambda job=job: self._run_job(job), f"job-{claim.job_id}")
+            except BaseException:  # no thread (the OS refused one): the slot is free, the lease runs out
+                del self.active[claim.attempt_id]
+                raise
+        return job
 
     def _claim_call(self, what: str, fn):
         """A call of the claim loop. Success resets the backoff; a transient
@@ -556,6 +570,17 @@ class WorkerRuntime:
         return 0
 
     def _run_job(self, job: ActiveJob) -> None:
+        """A job thread: the job, then each job claimed with the finish of the one before."""
+        try:
+            while job is not None:
+                job = self._run_one(job)
+        finally:
+            self.transport.close()
+            self.freed.set()
+
+    def _run_one(self, job: ActiveJob) -> ActiveJob | None:
+        """Run the job and send its finish; the next job when the finish claimed one (active
+        already, on this thread)."""
         claim = job.claim
         try:
             try:
@@ -567,18 +592,20 @@ class WorkerRuntime:
                 log.warning("job %s attempt %s: not all of its log reached the control plane", claim.job_id, claim.attempt_id)
             if job.discard:
                 log.warning("job %s attempt %s result discarded: %s", claim.job_id, claim.attempt_id, job.discard)
-                return
-            self._finish(job, outcome)
+                return None
+            return self._finish(job, outcome)
         finally:
             if job.logs is not None:
                 job.logs.stop()
-            self.transport.close()
             with self.lock:  # its slot is free now, not when the claim loop next looks at the thread
                 self.active.pop(claim.attempt_id, None)
-            self.freed.set()
 
-    def _finish(self, job: ActiveJob, outcome: Outcome) -> None:
+    def _finish(self, job: ActiveJob, outcome: Outcome) -> ActiveJob | None:
+        """Send the job's finish until it is answered; the next job when the finish claimed one.
+        The first try claims the thread's next job in the finish's commit, where the transport
+        can (finish_and_claim) and the worker still claims; a resent finish claims nothing."""
         claim = job.claim
+        chain = getattr(self.transport, "finish_and_claim", None) if self.outbox is None else None
         if self.outbox is not None:
             job.outbox_id = self.outbox.record_finish(
                 claim=claim, outcome=outcome.outcome, summary=outcome.summary, error=outcome.error
@@ -586,19 +613,20 @@ class WorkerRuntime:
         job.finishing = True
         backoff = Backoff(**FINISH_BACKOFF, rand=self.rand)
         while True:
+            sent = self.monotonic()
+            finish = {"attempt_id": claim.attempt_id, "token": claim.token, "outcome": outcome.outcome,
+                      "summary": outcome.summary, "error": outcome.error}  # fmt: skip
             try:
-                state = self.transport.finish(
-                    attempt_id=claim.attempt_id,
-                    token=claim.token,
-                    outcome=outcome.outcome,
-                    summary=outcome.summary,
-                    error=outcome.error,
-                )
+                if chain is not None and not (self.draining.is_set() or self.stopped.is_set()):
+                    state, claims = chain(**finish, session=self.session, max_jobs=1)
+                else:
+                    state, claims = self.transport.finish(**finish), []
             except QueueError as exc:
+                chain = None
                 verdict = classify(exc)
                 if verdict is Verdict.RETRY:
                     if job.discard:  # self-fenced while retrying: the outbox resends after a restart
-                        return
+                        return None
                     delay = backoff.failed(getattr(exc, "retry_after", None))
                     log.warning("finish of attempt %s failed (%s); retrying in %.2fs", claim.attempt_id, exc, delay)
                     self.sleep(delay)
@@ -620,14 +648,28 @@ class WorkerRuntime:
                         "finish of job %s attempt %s refused (%s): %s", claim.job_id, claim.attempt_id, exc.code, exc.message
                     )
                     self._acknowledge(job, f"refused: {exc.code}")
-                return
+                return None
             self._acknowledge(job, state)
             self.finished_count += 1
             log.info(
                 "finish: job %s attempt %s outcome %s → job %s%s",
                 claim.job_id, claim.attempt_id, outcome.outcome, state, f" ({outcome.error})" if outcome.error else "",
             )
-            return
+            return self._next(claims, sent, job.thread)
+
+    def _next(self, claims: list[Claim], sent: float, thread: Run | None) -> ActiveJob | None:
+        """The jobs a finish claimed made active: the first to run next on `thread`, any other
+        on a thread of its own. None when there is none to run (or the worker stopped meanwhile:
+        nothing would heartbeat it, so its lease runs out and it is claimed again)."""
+        if claims and self.stopped.is_set():
+            log.warning("worker stopped as its finish claimed %d job(s): their leases run out", len(claims))
+            return None
+        late = self.monotonic() - sent > self.margin / 2
+        following = None
+        for claim in claims:
+            job = self._start(claim, sent, late, thread=thread if following is None else None)
+            following = following or job
+        return following
 
     def _acknowledge(self, job: ActiveJob, answer: str) -> None:
         if self.outbox is not None and job.outbox_id is not None:

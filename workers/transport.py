@@ -65,6 +65,10 @@ class Transport(Protocol):
 
     def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str: ...
 
+    # Optional, and only where a claim costs no round trip of its own (InProcessTransport):
+    # finish_and_claim(attempt_id=, token=, outcome=, summary=, error=, session=, max_jobs=)
+    # -> (the job's state, [Claim, …]), the finish and a claim of up to max_jobs in one commit.
+
     def record(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> Record:
         """Writes `key` in the attempt's job's journal (jobqueue/services/records.py says the rules)."""
 
@@ -132,6 +136,18 @@ class InProcessTransport:
         return self.committer.call(
             services.attempt_finish, attempt_id=attempt_id, token=token, outcome=outcome, summary=summary, error=error
         )
+
+    def finish_and_claim(
+        self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None, session: str, max_jobs: int
+    ) -> tuple[str, list[Claim]]:
+        """`finish`, and a claim of up to `max_jobs` for this worker in the finish's commit
+        (services.attempt_finish_and_claim): a job thread goes on to its next job with no
+        claim of its own and no hand-off to the claim loop."""
+        done = self.committer.call(
+            services.attempt_finish_and_claim, attempt_id=attempt_id, token=token, outcome=outcome, summary=summary,
+            error=error, worker_id=self.worker_id, session=session, max_jobs=max_jobs,
+        )  # fmt: skip
+        return done.job_state, done.claims
 
     def record(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> Record:
         return self.committer.call(services.job_record, attempt_id=attempt_id, token=token, key=key, state=state, value=value)

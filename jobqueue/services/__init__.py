@@ -11,6 +11,7 @@ transaction. Job and attempt states move only through
                   at once), job_cancel, job_retry
     claiming.py   jobs_claim (claim_round: the same, with what a long-poll needs to wait)
     attempts.py   attempt_heartbeat, attempt_finish, attempt_abandon, leases_expire, reconcile
+    chaining.py   attempt_finish_and_claim (a finish that claims the worker's next job in its transaction)
     workers.py    worker_register, worker_heartbeat, worker_drain, worker_undrain, workers_forget,
                   worker_forget (an operator's)
     credentials.py  worker_enroll, worker_reregister (who may register an id), credential_issue,
@@ -22,6 +23,7 @@ transaction. Job and attempt states move only through
 
 from .affinity import affinity_release
 from .attempts import attempt_abandon, attempt_finish, attempt_heartbeat, leases_expire, reconcile
+from .chaining import Finished, attempt_finish_and_claim
 from .claiming import claim_round, jobs_claim, requirement_cache
 from .common import hash_token
 from .credentials import credential_issue, credential_used, credentials_revoke, worker_enroll, worker_reregister
@@ -31,9 +33,11 @@ from .records import attempt_heartbeat_with_checkpoint, job_record, job_records,
 from .workers import worker_drain, worker_forget, worker_heartbeat, worker_register, worker_undrain, workers_forget
 
 __all__ = [
+    "Finished",
     "attempt_abandon",
     "affinity_release",
     "attempt_finish",
+    "attempt_finish_and_claim",
     "attempt_heartbeat",
     "attempt_heartbeat_with_checkpoint",
     "claim_round",

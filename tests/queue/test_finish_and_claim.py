@@ -1,0 +1,97 @@
+"""attempt_finish_and_claim: a finish that claims the worker's next job in its own
+transaction. The claim comes after the finish (the slot it freed counts), a finish
+refused claims nothing, a claim refused leaves the finish standing, and many calls
+in one group commit share one claim per worker."""
+
+import pytest
+from django.db import connection, transaction
+
+from jobqueue import services
+from jobqueue.exceptions import StaleAttempt
+from jobqueue.models import Attempt, AttemptState, Job, JobState
+from tests.factories import claim, enqueue, register
+from tests.queue.test_query_counts import TX, claim_tx, moves, no_gaps, walk
+
+pytestmark = pytest.mark.django_db
+
+
+def _finish_and_claim(worker, c, **kwargs):
+    kwargs = {"token": c.token, "outcome": "succeeded", "session": worker.session, **kwargs}
+    return services.attempt_finish_and_claim(attempt_id=c.attempt_id, worker_id=worker.worker_id, **kwargs)
+
+
+def test_the_finish_frees_its_slot_for_the_claim_in_the_same_transaction(clock):
+    first, second = enqueue(), enqueue()
+    worker = register("w1", capacity=1)
+    [c] = claim(worker)
+    assert claim(worker) == []  # at capacity: a claim before the finish gets nothing
+    done = _finish_and_claim(worker, c)
+    assert done.job_state == JobState.SUCCEEDED
+    [following] = done.claims
+    assert following.job_id == second.pk != first.pk
+    assert Attempt.objects.get(pk=following.attempt_id).state == AttemptState.ACTIVE
+    assert Job.objects.get(pk=first.pk).state == JobState.SUCCEEDED
+
+
+def test_no_claim_when_none_is_asked_or_none_is_queued(clock):
+    enqueue(), enqueue()
+    worker = register("w1", capacity=2)
+    c1, c2 = claim(worker, max_jobs=2)
+    assert _finish_and_claim(worker, c1, max_jobs=0).claims == []
+    assert _finish_and_claim(worker, c2).claims == []  # nothing left to claim
+    assert Job.objects.filter(state=JobState.SUCCEEDED).count() == 2
+
+
+def test_a_refused_finish_claims_nothing(clock):
+    enqueue()
+    waiting = enqueue()
+    worker = register("w1", capacity=2)
+    [c] = claim(worker)
+    with pytest.raises(StaleAttempt):
+        _finish_and_claim(worker, c, token="not-the-token")
+    assert Job.objects.get(pk=waiting.pk).state == JobState.QUEUED
+    assert Attempt.objects.count() == 1
+
+
+def test_a_refused_claim_leaves_the_finish_standing(clock):
+    job = enqueue()
+    waiting = enqueue()
+    worker = register("w1", capacity=1)
+    [c] = claim(worker)
+    done = _finish_and_claim(worker, c, session="a-superseded-session")
+    assert (done.job_state, done.claims) == (JobState.SUCCEEDED, [])
+    assert Job.objects.get(pk=job.pk).state == JobState.SUCCEEDED
+    assert Job.objects.get(pk=waiting.pk).state == JobState.QUEUED
+
+
+def test_many_calls_share_one_claim_per_worker_and_keep_their_own_answers(clock):
+    for _ in range(6):
+        enqueue()
+    worker = register("w1", capacity=3)
+    c1, c2, c3 = claim(worker, max_jobs=3)
+    call = {"outcome": "succeeded", "worker_id": worker.worker_id, "session": worker.session, "max_jobs": 1}
+    calls = [
+        {**call, "attempt_id": c1.attempt_id, "token": c1.token},
+        {**call, "attempt_id": c2.attempt_id, "token": "not-the-token"},
+        {**call, "attempt_id": c3.attempt_id, "token": c3.token},
+    ]
+    with transaction.atomic():
+        answers = services.attempt_finish_and_claim.body.many(calls)
+    (first, none1), (refused, error), (third, none3) = answers
+    assert none1 is None and none3 is None and refused is None and isinstance(error, StaleAttempt)
+    [n1], [n3] = first.claims, third.claims
+    assert n1.job_id != n3.job_id and {n1.job_id, n3.job_id}.isdisjoint({c1.job_id, c2.job_id, c3.job_id})
+    # The refused finish freed no slot: c2's attempt is still live, so two were claimed, not three.
+    assert Job.objects.filter(state=JobState.QUEUED).count() == 1
+    assert Attempt.objects.get(pk=c2.attempt_id).state == AttemptState.ACTIVE
+
+
+def test_finish_and_claim_is_a_finish_then_a_claim_in_one_transaction(clock, django_assert_num_queries):
+    enqueue(), enqueue()
+    worker = register("w1", capacity=1)
+    [c] = claim(worker)
+    no_gaps()
+    # the finish (fenced read; attempt, job, event), then the claim (worker, its classes known; candidates; leases)
+    with django_assert_num_queries(TX + 1 + moves() + (claim_tx() - TX) + 1 + walk() + moves()):
+        assert len(_finish_and_claim(worker, c).claims) == 1
+    assert connection.in_atomic_block  # pytest-django's transaction: the service's own was a savepoint in it
