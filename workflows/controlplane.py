@@ -22,6 +22,7 @@ from django.db import DatabaseError, connections
 from jobqueue import conf
 from jobqueue import services as queue
 from jobqueue.clock import Clock, get_clock
+from jobqueue.exceptions import Unavailable
 from jobqueue.models import Job, JobState
 from jobqueue.selectors import BLOCKED_LIMIT, blocked_reasons
 from jobqueue.types import LOG_RETENTION
@@ -51,9 +52,10 @@ def _preview(key: str) -> str:
 
 
 class ControlPlane:
-    def __init__(self, *, config: Config, clock: Clock | None = None, reap_interval: float = 1.0):
+    def __init__(self, *, config: Config, clock: Clock | None = None, reap_interval: float = 1.0, committer=None):
         self.config = config
         self.clock = clock
+        self.committer = committer  # the embedded worker's (jobqueue.groupcommit): dispatch writes through it
         self.reap_interval = reap_interval
         self.next_poll = dict.fromkeys(config.sources, 0.0)
         self.polled: set[str] = set()  # polled at least once, successfully or not
@@ -155,8 +157,8 @@ class ControlPlane:
                 created += self._dispatch_one(source, batch[0])
                 continue
             try:
-                created += len(services.items_dispatch(config=self.config, source=source, items=batch, clock=self.clock))
-            except (DatabaseError, ValueError) as exc:
+                created += len(self._items_dispatch(source, batch))
+            except (DatabaseError, Unavailable, ValueError) as exc:
                 log.info("source %s: a batch of %d items failed (%s); dispatching them one by one", source_id, len(batch), exc)
                 created += sum(self._dispatch_one(source, item) for item in batch)
         return created
@@ -172,10 +174,15 @@ class ControlPlane:
 
     def _dispatch_one(self, source, item: sources.Item) -> int:
         try:
-            return len(services.items_dispatch(config=self.config, source=source, items=[item], clock=self.clock))
-        except (DatabaseError, ValueError) as exc:
+            return len(self._items_dispatch(source, [item]))
+        except (DatabaseError, Unavailable, ValueError) as exc:
             log.error("source %s: skipping item %r: cannot store it: %s", source.id, _preview(item.key), exc)
             return 0
+
+    def _items_dispatch(self, source, items: list[sources.Item]) -> list[Job]:
+        return services.items_dispatch(
+            config=self.config, source=source, items=items, clock=self.clock, committer=self.committer
+        )
 
     def reap(self) -> int:
         expired = queue.leases_expire(clock=self.clock)

@@ -207,23 +207,43 @@ def _log_dispatch(instance: WorkflowInstance, job: Job, task: Task) -> None:
 BATCH = 500
 
 
-def items_dispatch(*, config: Config, source: SourceConfig, items: list[Item], clock: Clock | None = None) -> list[Job]:
+def items_dispatch(
+    *, config: Config, source: SourceConfig, items: list[Item], clock: Clock | None = None, committer=None
+) -> list[Job]:
     """The tasks of a source's items (BATCH or so, unique keys) and, per workflow of the
     source, the instance and job of each task's current generation that it lacks, all in
     one transaction; returns the jobs created. A new item is a new task; a changed one is
     refreshed in place or starts a new generation (_task_refresh); an unchanged one whose
     instances exist creates nothing. Each kind of row is read and written once for the
     whole batch, never per item. Anything that fails rolls the whole batch back: nothing
-    of it is written, and the caller can try its items one by one."""
+    of it is written, and the caller can try its items one by one.
+
+    With a `committer` (jobqueue.groupcommit: the embedded worker's), the batch is a call
+    in its next commit, on its connection: on SQLite, one writer in the process instead of
+    two taking turns at the write lock through the busy timeout's sleeps, which left the
+    dispatch waiting on a busy worker. A database error reaches the caller as the
+    committer answers it (an OperationalError as Unavailable)."""
     if _nothing_new(source=source, items=items):
         return []
-    now = (clock or get_clock()).now()
-    with transaction.atomic(durable=True):
-        tasks = _tasks_sync(source=source, items=items, now=now)
-        made = _instances_dispatch(config=config, tasks=tasks, workflows=source.workflows, now=now, clock=clock)
+    batch = {"config": config, "source": source, "items": items, "clock": clock}
+    if committer is not None:
+        made = committer.call(_dispatch_in, **batch)
+    else:
+        with transaction.atomic(durable=True):
+            made = _dispatch_in(**batch)
     for instance, job in made:
         _log_dispatch(instance, job, instance.task)
     return [job for _, job in made]
+
+
+def _dispatch_in(*, config: Config, source: SourceConfig, items: list[Item], clock: Clock | None):
+    """items_dispatch's writes, in the caller's transaction: (instance, job) of each job made."""
+    now = (clock or get_clock()).now()
+    tasks = _tasks_sync(source=source, items=items, now=now)
+    return _instances_dispatch(config=config, tasks=tasks, workflows=source.workflows, now=now, clock=clock)
+
+
+_dispatch_in.body = _dispatch_in  # a call a GroupCommitter runs inside its batch's transaction
 
 
 def _nothing_new(*, source: SourceConfig, items: list[Item]) -> bool:

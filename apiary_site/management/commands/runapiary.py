@@ -111,10 +111,12 @@ class Command(ApiaryCommand):
                 raise CommandError(f"settings.metrics.listen {config.settings.metrics.listen}: cannot listen: {exc}") from exc
             log.info("metrics and health on http://%s/metrics and /healthz", config.settings.metrics.listen)
 
+        runtime = embedded_runtime(config) if queue_settings.embedded_worker else None
         daemon = Daemon(
             config=config,
-            control=ControlPlane(config=config),
-            runtime=embedded_runtime(config) if queue_settings.embedded_worker else None,
+            # Dispatch writes through the embedded worker's committer: one writer in this process.
+            control=ControlPlane(config=config, committer=runtime.transport.committer if runtime else None),
+            runtime=runtime,
             listener=listener,
             until_idle=options["until_idle"],
         )
