@@ -292,8 +292,8 @@ class GroupCommitter:
                     raise _Refused from exc
                 _require_intact()
                 self.before_commit(1)
-        except _Refused:  # alone, it rolled back only its own writes: no other call's class was cached
-            pass
+        except _Refused:  # alone, it rolled back only its own writes (a call that cached a class of its own
+            pass  # forgets it itself: services/chaining.py)
 
 
 def _by_body(batch: list[_Call]) -> list[tuple[Callable, list[_Call]]]:

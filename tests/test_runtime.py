@@ -544,6 +544,7 @@ def test_a_worker_at_capacity_claims_again_when_a_job_ends_not_on_a_timer(clock,
     monkeypatch.setattr("workers.runtime.SLOT_WAIT", 3600.0)
     jobs = [enqueue() for _ in range(3)]
     runtime = make_runtime(ScriptedExecutor(), capacity=1)
+    runtime.transport.finish_and_claim = None  # finishes that claim nothing: each next job is the claim loop's
     loop = threading.Thread(target=runtime.run, daemon=True)
     loop.start()
     try:

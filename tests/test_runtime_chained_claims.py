@@ -54,8 +54,8 @@ def test_a_finish_claims_the_next_job_and_its_thread_runs_it(clock):
     wait_for(lambda: all(job_state(j) == JobState.SUCCEEDED for j in jobs), timeout=WAIT, what="every job to succeed")
     runtime.reap(wait=True)
     assert runtime.finished_count == 3 and runtime.idle()
-    assert transport.claims == 1  # the other two came with the finishes before them
-    assert len(set(executor.threads.values())) == 1
+    # One claim_once, one claim: the other two jobs came with the finishes before them, on its thread.
+    assert transport.claims == 1 and len(set(executor.threads.values())) == 1
     assert Attempt.objects.filter(worker_id="w1").count() == 3
 
 
@@ -95,3 +95,32 @@ def test_a_job_claimed_with_a_finish_is_heartbeated_and_fenced(clock):
     runtime.reap(wait=True)
     assert Job.objects.get(pk=second.pk).state == JobState.LEASED  # nothing sent; the control plane expires it
     assert runtime.finished_count == 1
+
+
+def test_a_claim_that_breaks_its_finish_call_leaves_the_finish_to_be_sent_alone(clock, monkeypatch, caplog):
+    first, second = enqueue(), enqueue()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the claim")
+
+    monkeypatch.setattr("jobqueue.services.chaining._claim", broken)
+    runtime = make_runtime(ScriptedExecutor(), capacity=1)
+    runtime.claim_once()
+    wait_for(lambda: job_state(first) == JobState.SUCCEEDED, timeout=WAIT, what="the finish, sent again alone")
+    runtime.reap(wait=True)
+    assert runtime.finished_count == 1 and runtime.idle()
+    assert job_state(second) == JobState.QUEUED  # for the claim loop
+    assert "with a claim failed; sending it alone" in caplog.text
+
+
+def test_a_worker_stopped_by_a_fatal_error_starts_no_job_its_finish_claimed(clock):
+    first, second = enqueue(), enqueue()
+    executor = ScriptedExecutor(block=True)
+    runtime = make_runtime(executor, capacity=1)
+    runtime.claim_once()
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
+    runtime.fatal = "superseded (test)"  # as _fatal sets it, before it stops the loops
+    executor.release.set()
+    runtime.reap(wait=True)
+    assert runtime.active == {} and runtime.finished_count == 1 and job_state(first) == JobState.SUCCEEDED
+    assert job_state(second) == JobState.LEASED  # claimed with the finish, never run: its lease runs out

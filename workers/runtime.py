@@ -112,6 +112,7 @@ class WorkerRuntime:
         self.exit_on_drain = exit_on_drain
         self.log_interval = log_interval  # seconds between a log sender's looks at a running step's log
         self.shutting_down = False
+        self.stopping_runners = False  # cancel_all: a job started from here on is stopped at once
         self.paused_by_operator = False
         self.registration: Registration | None = None
         self.active: dict[int, ActiveJob] = {}
@@ -199,6 +200,7 @@ class WorkerRuntime:
         """A second signal: stop every runner; the jobs finish as `cancelled`."""
         self.request_drain(why)
         with self.lock:
+            self.stopping_runners = True  # a job claimed with a finish already under way is stopped too
             jobs = list(self.active.values())
         for job in jobs:
             log.info("stopping job %s attempt %s (%s)", job.claim.job_id, job.claim.attempt_id, why)
@@ -292,20 +294,20 @@ class WorkerRuntime:
             self._start(claim, sent, late)
         return len(claims)
 
-    def _start(self, claim: Claim, sent: float, late: bool, *, thread: Run | None = None) -> ActiveJob | None:
+    def _start(
+        self, claim: Claim, sent: float, late: bool, *, thread: Run | None = None, replaces: int | None = None
+    ) -> ActiveJob | None:
         """Make a claim an active job: confirmed first when `late`, with its journal and log
-        sender, on a job thread of its own, or on `thread` (the job thread that claimed it
-        with its finish, which runs it next). None when the claim is already stale."""
+        sender, on a job thread of its own, or, given `thread`, on that one (the job thread
+        that claimed it with the finish of job `replaces`, which runs it next). None when the
+        claim is already stale, or the worker stopped meanwhile: nothing would heartbeat it,
+        so its lease runs out and it is claimed again."""
         acked = sent
         if late:
             confirmed = self._confirm(claim)
             if confirmed is None:
                 return None
             acked = confirmed
-        log.info(
-            "claim: job %s attempt %s (#%s) agent %s runner %s",
-            claim.job_id, claim.attempt_id, claim.attempt_number, claim.agent, claim.runner,
-        )
         job = ActiveJob(claim=claim, acked_at=acked, next_heartbeat=acked + self.beat_every)
         # A control plane from before the journal (no `journal` feature) keeps none: the executor
         # then refuses publish and spawn steps and runs the rest as before.
@@ -315,8 +317,19 @@ class WorkerRuntime:
                 transport=self.transport, claim=claim, interval=self.log_interval, rand=self.rand,
                 threads=self.job_threads, defer_final=True,  # _run_job finishes the job once it is closed
             )
-        with self.lock:
+        with self.lock:  # against _fatal's and cancel_all's look at the active jobs
+            if self.fatal is not None or self.stopped.is_set():
+                log.warning("job %s attempt %s claimed as the worker stopped: its lease runs out", claim.job_id, claim.attempt_id)
+                return None
+            log.info(
+                "claim: job %s attempt %s (#%s) agent %s runner %s",
+                claim.job_id, claim.attempt_id, claim.attempt_number, claim.agent, claim.runner,
+            )
+            if replaces is not None:
+                self.active.pop(replaces, None)  # its slot is this job's: the worker is never over capacity
             self.active[claim.attempt_id] = job
+            if self.stopping_runners:
+                job.cancel.set()
             if thread is not None:
                 job.thread = thread
                 return job
@@ -582,6 +595,7 @@ class WorkerRuntime:
         """Run the job and send its finish; the next job when the finish claimed one (active
         already, on this thread)."""
         claim = job.claim
+        threading.current_thread().name = f"job-{claim.job_id}"  # a thread runs several, one after another
         try:
             try:
                 outcome = self.executor.run(claim, job.cancel, grace=self.grace, journal=job.journal)
@@ -618,7 +632,14 @@ class WorkerRuntime:
                       "summary": outcome.summary, "error": outcome.error}  # fmt: skip
             try:
                 if chain is not None and not (self.draining.is_set() or self.stopped.is_set()):
-                    state, claims = chain(**finish, session=self.session, max_jobs=1)
+                    try:
+                        state, claims = chain(**finish, session=self.session, max_jobs=1)
+                    except QueueError:
+                        raise
+                    except Exception:  # the claim broke the call (a bug, a lost update): nothing of it was written
+                        log.exception("finish of attempt %s with a claim failed; sending it alone", claim.attempt_id)
+                        chain = None
+                        continue
                 else:
                     state, claims = self.transport.finish(**finish), []
             except QueueError as exc:
@@ -655,20 +676,20 @@ class WorkerRuntime:
                 "finish: job %s attempt %s outcome %s → job %s%s",
                 claim.job_id, claim.attempt_id, outcome.outcome, state, f" ({outcome.error})" if outcome.error else "",
             )
-            return self._next(claims, sent, job.thread)
+            return self._next(claims, sent, job) if claims else None
 
-    def _next(self, claims: list[Claim], sent: float, thread: Run | None) -> ActiveJob | None:
-        """The jobs a finish claimed made active: the first to run next on `thread`, any other
-        on a thread of its own. None when there is none to run (or the worker stopped meanwhile:
-        nothing would heartbeat it, so its lease runs out and it is claimed again)."""
-        if claims and self.stopped.is_set():
-            log.warning("worker stopped as its finish claimed %d job(s): their leases run out", len(claims))
-            return None
+    def _next(self, claims: list[Claim], sent: float, finished: ActiveJob) -> ActiveJob | None:
+        """The jobs a finish claimed made active: the first to run next on the finished job's
+        thread, in its slot, any other on a thread of its own; the first, or None."""
+        with self.lock:  # _start assigns a job's thread under the lock, after the thread has started
+            thread = finished.thread
         late = self.monotonic() - sent > self.margin / 2
         following = None
         for claim in claims:
-            job = self._start(claim, sent, late, thread=thread if following is None else None)
-            following = following or job
+            if following is None:
+                following = self._start(claim, sent, late, thread=thread, replaces=finished.claim.attempt_id)
+            else:
+                self._start(claim, sent, late)
         return following
 
     def _acknowledge(self, job: ActiveJob, answer: str) -> None:

@@ -7,10 +7,12 @@ transaction, after the finish has freed the attempt's slot (the claim counts
 the worker's live attempts against its capacity). The claim is the plain
 claim (claiming._claim): the same eligibility, limits, order and fencing.
 
-The finish is what matters: a claim that cannot be made (the worker's
-registration gone or taken over by a newer process, which the claim finds
-before it writes anything) answers no claims and leaves the finish to
-commit; the claim loop's next claim meets the same refusal and acts on it.
+A claim refused for the worker (its registration gone or taken over by a
+newer process, which the claim finds before it writes anything) answers no
+claims and leaves the finish to commit; the claim loop's next claim meets the
+same refusal and acts on it. Any other error of the claim fails the whole call,
+finish included, as one transaction must: nothing of it is written, and the
+worker runtime then sends the finish again on its own (workers/runtime.py).
 """
 
 import dataclasses
@@ -19,7 +21,7 @@ from ..clock import Clock
 from ..exceptions import NotFound, SessionSuperseded
 from ..types import Claim
 from .attempts import attempt_finish
-from .claiming import _claim
+from .claiming import _claim, requirement_cache
 from .common import service
 
 _CLAIM_ARGUMENTS = frozenset({"worker_id", "session", "max_jobs"})
@@ -63,6 +65,11 @@ def _claims_for(calls: list[dict]) -> list[list[Claim]]:
             claims = _claim(worker_id, session, asked, calls[indexes[0]].get("clock")).claims
         except (NotFound, SessionSuperseded):  # refused before the claim wrote anything: the finishes stand
             continue
+        except BaseException:
+            # The transaction goes: a job class the finish made (a follow-up's) and the claim
+            # read into the process's cache goes with it, and its id may be reused.
+            requirement_cache.reset()
+            raise
         for i in indexes:
             n = calls[i].get("max_jobs", 1)
             answer[i], claims = claims[:n], claims[n:]

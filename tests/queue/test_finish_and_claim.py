@@ -64,7 +64,12 @@ def test_a_refused_claim_leaves_the_finish_standing(clock):
     assert Job.objects.get(pk=waiting.pk).state == JobState.QUEUED
 
 
-def test_many_calls_share_one_claim_per_worker_and_keep_their_own_answers(clock):
+def test_many_calls_share_one_claim_per_worker_and_keep_their_own_answers(clock, monkeypatch):
+    from jobqueue.services import chaining
+
+    claims_made = []
+    real = chaining._claim
+    monkeypatch.setattr(chaining, "_claim", lambda *a: claims_made.append(a[2]) or real(*a))
     for _ in range(6):
         enqueue()
     worker = register("w1", capacity=3)
@@ -83,6 +88,7 @@ def test_many_calls_share_one_claim_per_worker_and_keep_their_own_answers(clock)
     assert n1.job_id != n3.job_id and {n1.job_id, n3.job_id}.isdisjoint({c1.job_id, c2.job_id, c3.job_id})
     # The refused finish freed no slot: c2's attempt is still live, so two were claimed, not three.
     assert Job.objects.filter(state=JobState.QUEUED).count() == 1
+    assert claims_made == [2]  # one claim for the two finished calls of the worker
     assert Attempt.objects.get(pk=c2.attempt_id).state == AttemptState.ACTIVE
 
 
@@ -95,3 +101,30 @@ def test_finish_and_claim_is_a_finish_then_a_claim_in_one_transaction(clock, dja
     with django_assert_num_queries(TX + 1 + moves() + (claim_tx() - TX) + 1 + walk() + moves()):
         assert len(_finish_and_claim(worker, c).claims) == 1
     assert connection.in_atomic_block  # pytest-django's transaction: the service's own was a savepoint in it
+
+
+@pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite gives a rolled-back id to the next row; PostgreSQL never")
+def test_a_claim_that_fails_forgets_the_job_classes_its_transaction_made(clock, monkeypatch):
+    from jobqueue.services import claiming
+
+    enqueue()
+    worker = register("w1", capacity=2)
+    [c] = claim(worker)
+    real = claiming._candidates
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("the claim broke after reading the job classes")
+
+    monkeypatch.setattr(claiming, "_candidates", fails)
+    spec = {"payload": {}, "source": "s", "agent": "a", "runner": "shell"}
+    with pytest.raises(RuntimeError, match="the claim broke"), transaction.atomic():
+        # A class new to the process, made in the finish's transaction (a follow-up's, in life), which
+        # the claim reads into its cache before it fails; w1 may take it.
+        services.job_enqueue_in(key="other", project="other", **spec)
+        services.attempt_finish_and_claim.body(
+            attempt_id=c.attempt_id, token=c.token, outcome="succeeded", worker_id=worker.worker_id, session=worker.session
+        )
+    monkeypatch.setattr(claiming, "_candidates", real)
+    gpu, _ = services.job_enqueue(key="gpu", project="p", capabilities=["gpu"], **spec)  # takes the rolled-back id
+    assert claim(worker) == []  # w1 has no gpu: had the cache kept the rolled-back class, it would claim it
+    assert Job.objects.get(pk=gpu.pk).state == JobState.QUEUED
