@@ -279,3 +279,34 @@ def test_two_enrolments_of_one_new_worker_id_at_once_admit_one(clock, monkeypatc
     assert "error" not in out1, out1
     assert isinstance(out2.get("error"), CredentialRequired), out2
     assert WorkerCredential.objects.filter(worker_id="twin").count() == 1
+
+
+def test_two_finishes_that_claim_for_one_worker_at_once_stay_within_its_capacity(clock, monkeypatch):
+    """attempt_finish_and_claim in two transactions at once (two group commits of one worker
+    id): the second claim recounts the worker's live attempts under the worker row's lock,
+    after the first committed, so the two never lease past the capacity."""
+    for _ in range(4):
+        enqueue()
+    w = register("w1", capacity=2)
+    c1, c2 = claim(w, max_jobs=2)
+
+    def finish(c):
+        return services.attempt_finish_and_claim(
+            attempt_id=c.attempt_id, token=c.token, outcome="succeeded", worker_id="w1", session=w.session, max_jobs=2
+        )
+
+    paused, release = pause_in(monkeypatch, claiming, "_lease", "first", after=True)
+    t1, out1 = run_thread(lambda: finish(c1), "first")
+    # the first finished its attempt and leased up to the slot it freed, holding the worker row
+    wait_for(paused.is_set, timeout=WAIT, what="the first thread to pause")
+    before = lock_waiters()
+    t2, out2 = run_thread(lambda: finish(c2), "second")
+    wait_for(lambda: lock_waiters() > before, timeout=WAIT, what="the second thread to wait on a lock")
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert "error" not in out1 and "error" not in out2, (out1, out2)
+    assert Job.objects.filter(pk__in=[c1.job_id, c2.job_id], state="succeeded").count() == 2
+    active = Attempt.objects.filter(worker_id="w1", state="active").count()
+    claimed = len(out1["value"].claims) + len(out2["value"].claims)
+    assert active == claimed == 2, f"capacity 2: {active} active, {claimed} claimed"
