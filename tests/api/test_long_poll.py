@@ -165,8 +165,11 @@ def test_each_quiet_wait_renews_the_memo(api, clock, rounds, monkeypatch):
     """A memo is trusted for QUIET_FOR seconds from the last time the worker
     waited in line, not from its last claim: an idle fleet re-polling costs
     no transaction however long it stays idle."""
-    monkeypatch.setattr(notifier, "QUIET_FOR", 0.15)
+    # Eight waits of 0.1 s outlast QUIET_FOR more than twice, so only renewals keep the memo;
+    # the 0.25 s between a wait's end and the next one's check is room for a loaded machine
+    # (0.05 s was not: a CI run took 0.34 s between two polls).
+    monkeypatch.setattr(notifier, "QUIET_FOR", 0.35)
     worker = register()
-    for _ in range(4):
+    for _ in range(8):
         assert api.post("claims", body(worker, 0.1)).json() == {"jobs": []}
     assert len(rounds) == 1
