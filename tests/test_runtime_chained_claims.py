@@ -45,6 +45,15 @@ class ThreadsExecutor(ScriptedExecutor):
         return super().run(claim, cancel, grace=grace, journal=journal)
 
 
+def _first_of_two_running(executor):
+    """Two jobs queued, a worker of capacity 1 running the first in `executor` (blocked until released)."""
+    first, second = enqueue(), enqueue()
+    runtime = make_runtime(executor, capacity=1)
+    runtime.claim_once()
+    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
+    return runtime, first, second
+
+
 def test_a_finish_claims_the_next_job_and_its_thread_runs_it(clock):
     jobs = [enqueue() for _ in range(3)]
     transport = CountingTransport(worker_id="w1")
@@ -60,11 +69,8 @@ def test_a_finish_claims_the_next_job_and_its_thread_runs_it(clock):
 
 
 def test_a_draining_worker_claims_nothing_with_its_finish(clock):
-    first, second = enqueue(), enqueue()
     executor = ScriptedExecutor(block=True)
-    runtime = make_runtime(executor, capacity=1)
-    runtime.claim_once()
-    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
+    runtime, first, second = _first_of_two_running(executor)
     runtime.request_drain("test")
     executor.release.set()
     runtime.reap(wait=True)
@@ -114,11 +120,8 @@ def test_a_claim_that_breaks_its_finish_call_leaves_the_finish_to_be_sent_alone(
 
 
 def test_a_worker_stopped_by_a_fatal_error_starts_no_job_its_finish_claimed(clock):
-    first, second = enqueue(), enqueue()
     executor = ScriptedExecutor(block=True)
-    runtime = make_runtime(executor, capacity=1)
-    runtime.claim_once()
-    wait_for(executor.started.is_set, timeout=WAIT, what="the executor to start the job")
+    runtime, first, second = _first_of_two_running(executor)
     runtime.fatal = "superseded (test)"  # as _fatal sets it, before it stops the loops
     executor.release.set()
     runtime.reap(wait=True)

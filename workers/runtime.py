@@ -626,20 +626,14 @@ class WorkerRuntime:
             )
         job.finishing = True
         backoff = Backoff(**FINISH_BACKOFF, rand=self.rand)
+        finish = {"attempt_id": claim.attempt_id, "token": claim.token, "outcome": outcome.outcome,
+                  "summary": outcome.summary, "error": outcome.error}  # fmt: skip
         while True:
             sent = self.monotonic()
-            finish = {"attempt_id": claim.attempt_id, "token": claim.token, "outcome": outcome.outcome,
-                      "summary": outcome.summary, "error": outcome.error}  # fmt: skip
+            chained = chain is not None and not (self.draining.is_set() or self.stopped.is_set())
             try:
-                if chain is not None and not (self.draining.is_set() or self.stopped.is_set()):
-                    try:
-                        state, claims = chain(**finish, session=self.session, max_jobs=1)
-                    except QueueError:
-                        raise
-                    except Exception:  # the claim broke the call (a bug, a lost update): nothing of it was written
-                        log.exception("finish of attempt %s with a claim failed; sending it alone", claim.attempt_id)
-                        chain = None
-                        continue
+                if chained:
+                    state, claims = chain(**finish, session=self.session, max_jobs=1)
                 else:
                     state, claims = self.transport.finish(**finish), []
             except QueueError as exc:
@@ -670,6 +664,13 @@ class WorkerRuntime:
                     )
                     self._acknowledge(job, f"refused: {exc.code}")
                 return None
+            except Exception:
+                if not chained:
+                    raise
+                # The claim broke the call (a bug, a lost update): nothing of it was written.
+                log.exception("finish of attempt %s with a claim failed; sending it alone", claim.attempt_id)
+                chain = None
+                continue
             self._acknowledge(job, state)
             self.finished_count += 1
             log.info(
