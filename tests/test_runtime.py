@@ -331,9 +331,6 @@ class LosingBatchTransport(FlakyTransport):
         super().__init__(**kwargs)
         self.queued: list[tuple[str, dict]] = []
 
-    def record_later(self, **call):
-        self.queued.append(("record_later", call))
-
     def log_append_later(self, **call):
         self.queued.append(("log_append_later", call))
 
@@ -544,7 +541,7 @@ def test_a_worker_at_capacity_claims_again_when_a_job_ends_not_on_a_timer(clock,
     monkeypatch.setattr("workers.runtime.SLOT_WAIT", 3600.0)
     jobs = [enqueue() for _ in range(3)]
     runtime = make_runtime(ScriptedExecutor(), capacity=1)
-    runtime.transport.finish_and_claim = None  # finishes that claim nothing: each next job is the claim loop's
+    runtime.finish_and_claim = None  # finishes that claim nothing: each next job is the claim loop's
     loop = threading.Thread(target=runtime.run, daemon=True)
     loop.start()
     try:

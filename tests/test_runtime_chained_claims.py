@@ -103,7 +103,7 @@ def test_a_job_claimed_with_a_finish_is_heartbeated_and_fenced(clock):
     assert runtime.finished_count == 1
 
 
-def test_a_claim_that_breaks_its_finish_call_leaves_the_finish_to_be_sent_alone(clock, monkeypatch, caplog):
+def test_a_claim_that_breaks_its_finish_call_leaves_the_finish_to_be_sent_without_one(clock, monkeypatch, caplog):
     first, second = enqueue(), enqueue()
 
     def broken(*args, **kwargs):
@@ -116,7 +116,7 @@ def test_a_claim_that_breaks_its_finish_call_leaves_the_finish_to_be_sent_alone(
     runtime.reap(wait=True)
     assert runtime.finished_count == 1 and runtime.idle()
     assert job_state(second) == JobState.QUEUED  # for the claim loop
-    assert "with a claim failed; sending it alone" in caplog.text
+    assert "with a claim failed; sending it without one" in caplog.text
 
 
 def test_a_worker_stopped_by_a_fatal_error_starts_no_job_its_finish_claimed(clock):

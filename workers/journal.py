@@ -74,12 +74,12 @@ class Journal:
         on_refused: Callable[[Verdict, QueueError], None] = lambda verdict, exc: None,
         sleep: Callable[[float], None] | None = None,
         rand: Callable[[], float] = random.random,
-        finish_follows: bool = False,
+        carried: bool = False,
     ):
         self.transport = transport
-        # The runtime finishes the job once the executor returns (record_before_finish).
-        self.finish_follows = finish_follows
-        self.before_finish: tuple[str, str, dict] | None = None  # what record_before_finish queued
+        # The runtime's finish carries the job's last record (record_before_finish).
+        self.carried = carried
+        self.before_finish: tuple[str, str, dict] | None = None  # what record_before_finish kept for the finish
         self.claim = claim
         self.cancel = cancel
         self.on_refused = on_refused  # the runtime: discard the job (stale), or stop (superseded, unauthorized)
@@ -98,32 +98,20 @@ class Journal:
         return self._call(f"record {key}", lambda: self.transport.record(**fence, key=key, state=state, value=value))
 
     def record_before_finish(self, key: str, state: str, value: dict) -> None:
-        """`record` for the job's last record, the success of its last step. When the runtime
-        finishes the job next (`finish_follows`) through a transport that commits in order what
-        it queues (the embedded worker's group committer: `record_later`), the record is queued
-        to commit in the finish's batch, or an earlier one, instead of waiting for a commit of its
-        own: one hand-off and often one commit fewer a job. Nothing acts on its answer: a stale
-        attempt's record is refused, and so is its finish. Until that commit a kill loses the
-        record, and the next attempt runs the step again, as a kill just before a plain record
-        would; a commit that fails puts it back in line, and a retried finish queues it again
-        (resend_before_finish). A refusal of the record itself (a full journal) is logged and
-        does not fail the job, which succeeded: only a later re-run of the job misses the
-        record and runs the step again. Otherwise (a direct call of the executor, a remote worker) a plain `record`."""
-        later = getattr(self.transport, "record_later", None) if self.finish_follows else None
-        if later is None:
+        """`record` for the job's last record, the success of its last step. When the runtime's
+        finish carries it (`carried`: the embedded worker's finish_and_claim writes it under the
+        finish's fence, in the finish's transaction: services/chaining.py), it is only kept here
+        (`before_finish`) for the finish to take, and every try of the finish takes it: one read of
+        the attempt and one call fewer a job, and no wait of its own. Nothing acts on its answer:
+        a stale attempt's record is refused, and so is its finish. Until that commit a kill loses
+        the record, and the next attempt runs the step again, as a kill just before a plain record
+        would. A refusal of the record itself (a full journal) is logged and does not fail the
+        job, which succeeded: only a later re-run of the job misses the record and runs the step
+        again. Otherwise (a direct call of the executor, a remote worker) a plain `record`."""
+        if not self.carried:
             self.record(key, state, value)
             return
         self.before_finish = (key, state, value)
-        later(attempt_id=self.claim.attempt_id, token=self.claim.token, key=key, state=state, value=value)
-
-    def resend_before_finish(self) -> None:
-        """Queue the record_before_finish again ahead of a retried finish: the batch that failed
-        the finish failed it too (a record is safe to resend). The group committer puts a failed
-        commit's deferred calls back in line by itself, for a few commits: this covers a finish
-        that keeps failing longer."""
-        if self.before_finish is not None:
-            key, state, value = self.before_finish
-            self.transport.record_later(attempt_id=self.claim.attempt_id, token=self.claim.token, key=key, state=state, value=value)
 
     def records(self) -> dict[str, Record]:
         """The job's journal by key."""

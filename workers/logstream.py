@@ -10,7 +10,9 @@ thread starts at a step's first output, or when the sender is closed with
 something left to send; in the embedded worker a rest that fits in one final
 chunk and that no thread was started for (a quiet step's empty one, the
 executor's own note on a step that could not start) is queued by the closing
-thread itself, so a job whose steps print nothing costs the sender no thread.
+thread itself, so a job whose steps print nothing costs the sender no thread
+(and, where the runtime's finish carries them, `carry_final`, it is kept for
+the finish, which writes it under its own fence: `carried`).
 As for the buffer: the sender holds one chunk at a time however
 much the step prints, and when a step has printed more than the control
 plane keeps (MAX_LOG_STREAM_BYTES) it skips ahead to the tail.
@@ -85,11 +87,16 @@ class LogSender:
         rand: Callable[[], float] = random.random,
         threads: JobThreads | None = None,
         defer_final: bool = False,
+        carry_final: bool = False,
     ):
         self.transport = transport
         # The runtime's: a finish follows the job's last chunk, so a final chunk may ride with it.
         self.later = getattr(transport, "log_append_later", None) if defer_final else None
         self.deferred: list[dict] = []  # the final chunks queued through `later`
+        # The runtime's finish carries what close() itself sends (carry_final): the final chunks of
+        # the streams that no thread was started for, kept here ({stream, offset, text}) for it.
+        self.carry_final = carry_final and self.later is not None
+        self.carried: list[dict] = []
         self.threads = threads  # the worker's job threads, to send on one of (else a thread of its own)
         self.claim = claim
         self.interval = interval
@@ -152,6 +159,7 @@ class LogSender:
             if thread is None and not here and self.streams and not self.stopped.is_set():
                 thread = self._start()
         if here:  # no thread ever started, and nothing to wait for: the rest goes in final chunks, queued
+            # (or, with carry_final, kept for the finish to carry)
             for stream in list(self.streams):
                 if self._send_available(stream):
                     self.streams.remove(stream)
@@ -242,11 +250,14 @@ class LogSender:
     def _send(self, stream: _Stream, text: str, *, final: bool) -> bool:
         """One chunk, sent again while the control plane is unavailable; False when refused for good."""
         if final and self.later is not None:  # no answer to wait for: nothing follows it but the finish
-            chunk = {"attempt_id": self.claim.attempt_id, "token": self.claim.token, "stream": stream.name,
-                     "offset": stream.offset, "text": text, "final": True}  # fmt: skip
             with self.lock:  # never queued after stop(): the finish may be queued right after it
                 if self.stopped.is_set():
                     return False
+                if self.carry_final and self.thread is None:  # close() sends it, and the finish follows
+                    self.carried.append({"stream": stream.name, "offset": stream.offset, "text": text})
+                    return True
+                chunk = {"attempt_id": self.claim.attempt_id, "token": self.claim.token, "stream": stream.name,
+                         "offset": stream.offset, "text": text, "final": True}  # fmt: skip
                 self.deferred.append(chunk)
                 self.later(**chunk)
             return True

@@ -123,6 +123,9 @@ class WorkerRuntime:
         self.last_contact = 0.0
         self.next_worker_heartbeat = 0.0
         self.finished_count = 0
+        # The transport's finish that claims, and carries the job's last writes (InProcessTransport's);
+        # a remote worker's outbox resends plain finishes after a restart, so it has none.
+        self.finish_and_claim = getattr(transport, "finish_and_claim", None) if outbox is None else None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -316,6 +319,7 @@ class WorkerRuntime:
             job.logs = job.journal.logs = LogSender(
                 transport=self.transport, claim=claim, interval=self.log_interval, rand=self.rand,
                 threads=self.job_threads, defer_final=True,  # _run_job finishes the job once it is closed
+                carry_final=self.finish_and_claim is not None,
             )
         with self.lock:  # against _fatal's and cancel_all's look at the active jobs
             if self.fatal is not None or self.stopped.is_set():
@@ -397,7 +401,7 @@ class WorkerRuntime:
 
         return Journal(
             transport=self.transport, claim=job.claim, cancel=job.cancel, on_refused=refused, rand=self.rand,
-            finish_follows=True,  # _run_job finishes the job once its executor returns
+            carried=self.finish_and_claim is not None,  # _run_job's finish carries the job's last record
         )
 
     def reap(self, wait: bool = False) -> None:
@@ -616,10 +620,13 @@ class WorkerRuntime:
 
     def _finish(self, job: ActiveJob, outcome: Outcome) -> ActiveJob | None:
         """Send the job's finish until it is answered; the next job when the finish claimed one.
-        The first try claims the thread's next job in the finish's commit, where the transport
-        can (finish_and_claim) and the worker still claims; a resent finish claims nothing."""
+        Where the transport can (finish_and_claim), every try carries the job's last record and
+        its quiet steps' log ends, and the first try claims the thread's next job in the finish's
+        commit while the worker still claims; a resent finish claims nothing."""
         claim = job.claim
-        chain = getattr(self.transport, "finish_and_claim", None) if self.outbox is None else None
+        chain = self.finish_and_claim
+        claiming = chain is not None
+        carried = self._carried(job) if chain is not None else {}
         if self.outbox is not None:
             job.outbox_id = self.outbox.record_finish(
                 claim=claim, outcome=outcome.outcome, summary=outcome.summary, error=outcome.error
@@ -630,14 +637,16 @@ class WorkerRuntime:
                   "summary": outcome.summary, "error": outcome.error}  # fmt: skip
         while True:
             sent = self.monotonic()
-            chained = chain is not None and not (self.draining.is_set() or self.stopped.is_set())
+            claims_wanted = 1 if claiming and not (self.draining.is_set() or self.stopped.is_set()) else 0
             try:
-                if chained:
-                    state, claims = chain(**finish, session=self.session, max_jobs=1)
+                if chain is not None:
+                    state, claims, refused = chain(**finish, session=self.session, max_jobs=claims_wanted, **carried)
+                    for why in refused:
+                        log.warning("job %s attempt %s: %s; the finish went without it", claim.job_id, claim.attempt_id, why)
                 else:
                     state, claims = self.transport.finish(**finish), []
             except QueueError as exc:
-                chain = None
+                claiming = False
                 verdict = classify(exc)
                 if verdict is Verdict.RETRY:
                     if job.discard:  # self-fenced while retrying: the outbox resends after a restart
@@ -645,8 +654,6 @@ class WorkerRuntime:
                     delay = backoff.failed(getattr(exc, "retry_after", None))
                     log.warning("finish of attempt %s failed (%s); retrying in %.2fs", claim.attempt_id, exc, delay)
                     self.sleep(delay)
-                    if job.journal is not None:
-                        job.journal.resend_before_finish()
                     if job.logs is not None:
                         job.logs.resend_deferred()
                     continue
@@ -665,11 +672,16 @@ class WorkerRuntime:
                     self._acknowledge(job, f"refused: {exc.code}")
                 return None
             except Exception:
-                if not chained:
+                # A bug broke the call (in the claim, or in a write it carried): nothing of it was
+                # written. Sent again claiming nothing, then also without the writes it carried.
+                if claims_wanted:
+                    log.exception("finish of attempt %s with a claim failed; sending it without one", claim.attempt_id)
+                    claiming = False
+                elif carried:
+                    log.exception("finish of attempt %s failed; sending it without its last writes", claim.attempt_id)
+                    carried = {}
+                else:
                     raise
-                # The claim broke the call (a bug, a lost update): nothing of it was written.
-                log.exception("finish of attempt %s with a claim failed; sending it alone", claim.attempt_id)
-                chain = None
                 continue
             self._acknowledge(job, state)
             self.finished_count += 1
@@ -678,6 +690,18 @@ class WorkerRuntime:
                 claim.job_id, claim.attempt_id, outcome.outcome, state, f" ({outcome.error})" if outcome.error else "",
             )
             return self._next(claims, sent, job) if claims else None
+
+    @staticmethod
+    def _carried(job: ActiveJob) -> dict:
+        """What the finish carries of the job: its last record (Journal.record_before_finish) and
+        the final chunks its log sender kept (LogSender.carried)."""
+        carried = {}
+        if job.journal is not None and job.journal.before_finish is not None:
+            key, state, value = job.journal.before_finish
+            carried["record"] = {"key": key, "state": state, "value": value}
+        if job.logs is not None and job.logs.carried:
+            carried["log_ends"] = list(job.logs.carried)
+        return carried
 
     def _next(self, claims: list[Claim], sent: float, finished: ActiveJob) -> ActiveJob | None:
         """The jobs a finish claimed made active: the first to run next on the finished job's

@@ -8,6 +8,7 @@ SessionSuperseded, NotFound, Unavailable — so the runtime cannot tell them apa
 """
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Protocol
 
 from django.db import close_old_connections, connections
@@ -66,8 +67,9 @@ class Transport(Protocol):
     def finish(self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None) -> str: ...
 
     # Optional, and only where a claim costs no round trip of its own (InProcessTransport):
-    # finish_and_claim(attempt_id=, token=, outcome=, summary=, error=, session=, max_jobs=)
-    # -> (the job's state, [Claim, …]), the finish and a claim of up to max_jobs in one commit.
+    # finish_and_claim(attempt_id=, token=, outcome=, summary=, error=, session=, max_jobs=, record=, log_ends=)
+    # -> (the job's state, [Claim, …], refusals), the finish, the job's last writes and a claim
+    # of up to max_jobs in one commit.
 
     def record(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> Record:
         """Writes `key` in the attempt's job's journal (jobqueue/services/records.py says the rules)."""
@@ -138,24 +140,22 @@ class InProcessTransport:
         )
 
     def finish_and_claim(
-        self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None, session: str, max_jobs: int
-    ) -> tuple[str, list[Claim]]:
+        self, *, attempt_id: int, token: str, outcome: str, summary: dict, error: str | None, session: str,
+        max_jobs: int, record: dict | None = None, log_ends: Sequence[dict] = (),
+    ) -> tuple[str, list[Claim], tuple[str, ...]]:
         """`finish`, and a claim of up to `max_jobs` for this worker in the finish's commit
         (services.attempt_finish_and_claim): a job thread goes on to its next job with no
-        claim of its own and no hand-off to the claim loop."""
+        claim of its own and no hand-off to the claim loop. It carries the job's last record
+        and its log ends, written under its fence; (the job's state, the claims, why any of
+        those was refused)."""
         done = self.committer.call(
             services.attempt_finish_and_claim, attempt_id=attempt_id, token=token, outcome=outcome, summary=summary,
-            error=error, worker_id=self.worker_id, session=session, max_jobs=max_jobs,
+            error=error, worker_id=self.worker_id, session=session, max_jobs=max_jobs, record=record, log_ends=log_ends,
         )  # fmt: skip
-        return done.job_state, done.claims
+        return done.job_state, done.claims, done.refused
 
     def record(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> Record:
         return self.committer.call(services.job_record, attempt_id=attempt_id, token=token, key=key, state=state, value=value)
-
-    def record_later(self, *, attempt_id: int, token: str, key: str, state: str, value: dict) -> None:
-        """`record` queued to commit with the next call someone waits for (the job's finish, which
-        Journal.record_before_finish is for) and never after it: no answer, no wait of its own."""
-        self.committer.defer(services.job_record, attempt_id=attempt_id, token=token, key=key, state=state, value=value)
 
     def records(self, *, attempt_id: int, token: str) -> list[Record]:
         return self.committer.call(services.job_records, attempt_id=attempt_id, token=token)

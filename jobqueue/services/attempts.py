@@ -6,6 +6,7 @@ import datetime as dt
 import hmac
 import inspect
 import random
+from collections.abc import Callable
 
 from django.db import connection
 
@@ -133,7 +134,13 @@ def _finish_opening(rows: dict, kw: dict) -> tuple[_Fenced | None, str | None]:
     return a, None
 
 
-def _finish_many(calls: list[dict]) -> list[tuple[object, Exception | None]]:
+# Writes that ride with a finish (services/chaining.py: its job's last record and log ends):
+# carry(i, cursor, attempt, now) for the i-th call of a batch, once its attempt passed the fence
+# and before it is settled; never for a finish sent again (its first carried them).
+Carry = Callable[[int, object, "_Fenced", dt.datetime], None]
+
+
+def finish_many(calls: list[dict], carry: Carry | None = None) -> list[tuple[object, Exception | None]]:
     """Many attempt_finish calls in the caller's transaction (group commit): one fenced read
     of all their attempts, then one settling of every plain success (no cancel requested, no
     follow-ups) together; any other finish is settled as attempt_finish settles one. Calls
@@ -143,7 +150,10 @@ def _finish_many(calls: list[dict]) -> list[tuple[object, Exception | None]]:
     if len({id(kw.get("clock")) for kw in calls}) > 1 or len(set(ids)) < len(ids) or any(
         not set(kw) <= _FINISH_ARGUMENTS for kw in calls
     ):
-        return [(attempt_finish.body(**kw), None) for kw in calls]
+        return [
+            (finish_one(kw, _nth(carry, i)) if set(kw) <= _FINISH_ARGUMENTS else attempt_finish.body(**kw), None)
+            for i, kw in enumerate(calls)
+        ]
     now = now_of(calls[0].get("clock"))
     answers: list = [None] * len(calls)
     plain = []
@@ -158,7 +168,10 @@ def _finish_many(calls: list[dict]) -> list[tuple[object, Exception | None]]:
                 continue
             if a is None:
                 answers[i] = (again, None)
-            elif kw["outcome"] == AttemptState.SUCCEEDED and not a.cancel_requested and not a.has_follow_ups:
+                continue
+            if carry is not None:
+                carry(i, cursor, a, now)
+            if kw["outcome"] == AttemptState.SUCCEEDED and not a.cancel_requested and not a.has_follow_ups:
                 plain.append((i, kw, a))
             else:
                 answers[i] = (_settle(cursor, a, kw, now), None)
@@ -177,7 +190,11 @@ def _finish_many(calls: list[dict]) -> list[tuple[object, Exception | None]]:
     return answers
 
 
-@service(many=_finish_many)
+def _nth(carry: Carry | None, i: int) -> Carry | None:
+    return None if carry is None else (lambda _, cursor, a, now: carry(i, cursor, a, now))
+
+
+@service(many=finish_many)
 def attempt_finish(
     *,
     attempt_id: int,
@@ -194,14 +211,24 @@ def attempt_finish(
     finish again returns the same answer and changes nothing. Writes queue
     tables only."""
     kw = {"attempt_id": attempt_id, "token": token, "outcome": outcome, "summary": summary, "error": error,
-          "acting_as": acting_as}  # fmt: skip
+          "acting_as": acting_as, "clock": clock}  # fmt: skip
+    return finish_one(kw)
+
+
+def finish_one(kw: dict, carry: Carry | None = None) -> str:
+    """attempt_finish's body for its keyword arguments `kw`, with `carry` (finish_many's) as call 0."""
+    attempt_id, outcome = kw["attempt_id"], kw["outcome"]
     if outcome not in OUTCOMES:  # before the clock and the read, as it always was
         raise InvalidRequest(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}", field="outcome")
-    now = now_of(clock)
+    now = now_of(kw.get("clock"))
     with connection.cursor() as cursor:
         row = sql.one(cursor, sql.fenced_attempt(postgres()), [sql.ts(now), attempt_id])
         a, again = _finish_opening({attempt_id: row} if row is not None else {}, kw)
-        return again if a is None else _settle(cursor, a, kw, now)
+        if a is None:
+            return again
+        if carry is not None:
+            carry(0, cursor, a, now)
+        return _settle(cursor, a, kw, now)
 
 
 _FINISH_ARGUMENTS = frozenset(inspect.signature(attempt_finish.body).parameters)

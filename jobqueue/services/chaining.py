@@ -13,43 +13,80 @@ claims and leaves the finish to commit; the claim loop's next claim meets the
 same refusal and acts on it. Any other error of the claim fails the whole call,
 finish included, as one transaction must: nothing of it is written, and the
 worker runtime then sends the finish again on its own (workers/runtime.py).
+
+The finish also carries the job's last writes — its last journal record, the
+final chunks of its quiet steps' logs — under its own fence: one read of the
+attempt for all of them, where each as a call of its own reads it again.
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 from ..clock import Clock
-from ..exceptions import NotFound, SessionSuperseded
+from ..exceptions import NotFound, QueueError, SessionSuperseded
 from ..types import Claim
-from .attempts import attempt_finish
+from . import attempts, logs, records
 from .claiming import _claim, requirement_cache
 from .common import service
 
 _CLAIM_ARGUMENTS = frozenset({"worker_id", "session", "max_jobs"})
+_CARRIED = frozenset({"record", "log_ends"})
 
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """A finish's answer (the job's new state) and the jobs claimed with it."""
+    """A finish's answer (the job's new state), the jobs claimed with it, and why any write it
+    carried was refused (the finish stands without it)."""
 
     job_state: str
     claims: list[Claim]
+    refused: tuple[str, ...] = ()
 
 
 def _finish_and_claim_many(calls: list[dict]) -> list[tuple[object, Exception | None]]:
     """Many calls in the caller's transaction (group commit): every finish first, together
-    (attempt_finish's `many`), then one claim per worker for the jobs that all its finished
-    calls asked for, shared out in the calls' order."""
-    answers = attempt_finish.body.many([_finish_of(kw) for kw in calls])
-    finished = [i for i, (_, refused) in enumerate(answers) if refused is None]
+    (attempts.finish_many, which writes what each carries after its fence), then one claim per
+    worker for the jobs that all its finished calls asked for, shared out in the calls' order."""
+    carry, refused = _carrier(calls)
+    answers = attempts.finish_many([_finish_of(kw) for kw in calls], carry)
+    finished = [i for i, (_, error) in enumerate(answers) if error is None]
     claims = _claims_for([calls[i] for i in finished])
     return [
-        (None, refused) if refused is not None else (Finished(state, claims.pop(0)), None)
-        for state, refused in answers
+        (None, error) if error is not None else (Finished(state, claims.pop(0), tuple(refused[i])), None)
+        for i, (state, error) in enumerate(answers)
     ]
 
 
 def _finish_of(call: dict) -> dict:
-    return {k: v for k, v in call.items() if k not in _CLAIM_ARGUMENTS}
+    return {k: v for k, v in call.items() if k not in _CLAIM_ARGUMENTS and k not in _CARRIED}
+
+
+def _carrier(calls: list[dict]) -> tuple[attempts.Carry | None, list[list[str]]]:
+    """The carry of finish_many for `calls` (None when none carries a write), and per call the
+    refusals it met: a carried write refused by the queue's rules (a full journal, a log
+    past its limits) is left out and named; the finish and the other writes stand."""
+    refused: list[list[str]] = [[] for _ in calls]
+    if not any(call.get("record") or call.get("log_ends") for call in calls):
+        return None, refused
+
+    def carry(i: int, cursor, fenced, now) -> None:
+        call = calls[i]
+        record = call.get("record")
+        if record:
+            try:
+                records.write_fenced(fenced, key=record["key"], state=record["state"], value=record.get("value"), now=now)
+            except QueueError as exc:
+                refused[i].append(f"record {record['key']!r}: {exc}")
+        for end in call.get("log_ends") or ():
+            try:
+                logs.append_fenced(
+                    cursor, fenced, attempt_id=call["attempt_id"], stream=end["stream"], offset=end["offset"],
+                    text=end["text"], final=True, now=now,
+                )  # fmt: skip
+            except QueueError as exc:
+                refused[i].append(f"log stream {end['stream']!r}: {exc}")
+
+    return carry, refused
 
 
 def _claims_for(calls: list[dict]) -> list[list[Claim]]:
@@ -87,13 +124,21 @@ def attempt_finish_and_claim(
     worker_id: str,
     session: str,
     max_jobs: int = 1,
+    record: dict | None = None,
+    log_ends: Sequence[dict] = (),
     clock: Clock | None = None,
 ) -> Finished:
     """attempt_finish, then, in the same transaction, jobs_claim of up to `max_jobs` (0: none)
     for the worker; the finish's answer and the claims. A finish refused raises as
-    attempt_finish's does, and claims nothing."""
-    job_state = attempt_finish.body(
-        attempt_id=attempt_id, token=token, outcome=outcome, summary=summary, error=error, clock=clock
-    )
-    call = {"worker_id": worker_id, "session": session, "max_jobs": max_jobs, "clock": clock}
-    return Finished(job_state, _claims_for([call])[0])
+    attempt_finish's does, and claims nothing.
+
+    The finish carries its job's last writes, made under its fence (one read of the attempt
+    for all): `record` ({key, state, value}: job_record's) and `log_ends` ([{stream, offset,
+    text}]: each log_append's final chunk), written before the attempt is settled, as the calls
+    would be. A finish sent again after it was committed writes them no more."""
+    call = {"attempt_id": attempt_id, "token": token, "outcome": outcome, "summary": summary, "error": error,
+            "clock": clock, "record": record, "log_ends": log_ends}  # fmt: skip
+    carry, refused = _carrier([call])
+    job_state = attempts.finish_one(_finish_of(call), carry)
+    claim = {"worker_id": worker_id, "session": session, "max_jobs": max_jobs, "clock": clock}
+    return Finished(job_state, _claims_for([claim])[0], tuple(refused[0]))

@@ -110,8 +110,11 @@ UPDATE queue_logstream SET received = %s, dropped = %s, ended = %s, updated_at =
 """
 
 
-def _stream_of(cursor, fenced, attempt_id: int, name: str, now: dt.datetime) -> tuple[_Stream, int]:
-    """The attempt's stream `name` (begun now when new) and the bytes all its streams keep."""
+def _stream_of(
+    cursor, fenced, attempt_id: int, name: str, now: dt.datetime, *, ended: bool = False
+) -> tuple[_Stream, int]:
+    """The attempt's stream `name` (begun now when new, and ended already with `ended`: an empty
+    final chunk that begins it is the whole stream) and the bytes all its streams keep."""
     cursor.execute(_STREAMS_OF_ATTEMPT, [attempt_id])
     streams = [_Stream(pk, attempt_id, n, r, d, bool(e)) for pk, n, r, d, e in cursor.fetchall()]
     kept = sum(row.received - row.dropped for row in streams)
@@ -127,10 +130,10 @@ def _stream_of(cursor, fenced, attempt_id: int, name: str, now: dt.datetime) -> 
         ).delete()
     try:
         with savepoint_on_postgres():
-            pk = sql.one(cursor, _INSERT_STREAM, [attempt_id, fenced.job_id, name, False, sql.ts(now), sql.ts(now)])[0]
+            pk = sql.one(cursor, _INSERT_STREAM, [attempt_id, fenced.job_id, name, ended, sql.ts(now), sql.ts(now)])[0]
     except IntegrityError:  # the same stream begun by a concurrent call
         raise Unavailable(f"log stream {name!r} of attempt {attempt_id} was begun concurrently; send again") from None
-    return _Stream(pk, attempt_id, name, 0, 0, False), kept
+    return _Stream(pk, attempt_id, name, 0, 0, ended), kept
 
 
 def _append(cursor, row: _Stream, offset: int, data: bytes) -> tuple[int, int]:
@@ -180,33 +183,44 @@ def log_append(
     now = now_of(clock)
     with connection.cursor() as cursor:
         fenced = attempts.fenced_live(cursor, attempt_id, token, now, acting_as)
-        row, kept = _stream_of(cursor, fenced, attempt_id, stream, now)
-        end = offset + len(data)
-        if end <= row.received:  # a resend of text already received (or an empty chunk within it)
-            if final and end == row.received and not row.ended:
-                _move(cursor, row, received=row.received, dropped=row.dropped, ended=True, now=now)
-                row.ended = True
-            return _state(row, stored=False)
-        if row.ended:
+        return _append_checked(cursor, fenced, attempt_id, stream, offset, data, final, now)
+
+
+def append_fenced(cursor, fenced, *, attempt_id: int, stream: str, offset: int, text: str, final: bool, now: dt.datetime) -> LogState:
+    """log_append's work for an attempt that the caller fenced already in its transaction
+    (attempts.fenced_live's answer, or a finish's: services/chaining.py), by the same rules."""
+    return _append_checked(cursor, fenced, attempt_id, stream, offset, _checked(stream, offset, text), final, now)
+
+
+def _append_checked(cursor, fenced, attempt_id: int, stream: str, offset: int, data: bytes, final: bool, now: dt.datetime) -> LogState:
+    # A new stream's first chunk that is empty and final (a quiet step's) begins it ended: no update follows.
+    row, kept = _stream_of(cursor, fenced, attempt_id, stream, now, ended=final and offset == 0 and not data)
+    end = offset + len(data)
+    if end <= row.received:  # a resend of text already received (or an empty chunk within it)
+        if final and end == row.received and not row.ended:
+            _move(cursor, row, received=row.received, dropped=row.dropped, ended=True, now=now)
+            row.ended = True
+        return _state(row, stored=False)
+    if row.ended:
+        raise InvalidRequest(
+            f"stream {stream!r} of attempt {attempt_id} ended at {row.received} bytes; nothing follows its last chunk",
+            field="offset",
+        )
+    if offset < row.received:  # overlaps the end: only what lies beyond it is new
+        try:
+            data[row.received - offset :].decode("utf-8")
+        except UnicodeDecodeError:
             raise InvalidRequest(
-                f"stream {stream!r} of attempt {attempt_id} ended at {row.received} bytes; nothing follows its last chunk",
-                field="offset",
-            )
-        if offset < row.received:  # overlaps the end: only what lies beyond it is new
-            try:
-                data[row.received - offset :].decode("utf-8")
-            except UnicodeDecodeError:
-                raise InvalidRequest(
-                    f"offset {offset} overlaps the stream's end ({row.received}) inside a character", field="offset"
-                ) from None
-            data, offset = data[row.received - offset :], row.received
-        if kept + len(data) > MAX_LOG_BYTES_PER_ATTEMPT:
-            raise InvalidRequest(
-                f"attempt {attempt_id} keeps at most {MAX_LOG_BYTES_PER_ATTEMPT} bytes of logs over all its streams",
-                field="text",
-            )
-        received, dropped = _append(cursor, row, offset, data)
-        _move(cursor, row, received=received, dropped=dropped, ended=final, now=now)
+                f"offset {offset} overlaps the stream's end ({row.received}) inside a character", field="offset"
+            ) from None
+        data, offset = data[row.received - offset :], row.received
+    if kept + len(data) > MAX_LOG_BYTES_PER_ATTEMPT:
+        raise InvalidRequest(
+            f"attempt {attempt_id} keeps at most {MAX_LOG_BYTES_PER_ATTEMPT} bytes of logs over all its streams",
+            field="text",
+        )
+    received, dropped = _append(cursor, row, offset, data)
+    _move(cursor, row, received=received, dropped=dropped, ended=final, now=now)
     row.received, row.dropped, row.ended = received, dropped, final
     return _state(row, stored=True)
 

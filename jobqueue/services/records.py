@@ -130,6 +130,12 @@ def job_record(
     return _write(fenced, key, state, value, now)
 
 
+def write_fenced(fenced, *, key: str, state: str, value: dict | None, now: dt.datetime) -> Record:
+    """job_record's work for an attempt that the caller fenced already in its transaction (a
+    finish that carries its job's last record: services/chaining.py), by the same rules."""
+    return _write(fenced, key, state, _checked(key, state, value), now)
+
+
 def checkpoint_key(step: str) -> str:
     """The record a step's checkpoint is kept in; InvalidRequest for a step that is no step id."""
     if not isinstance(step, str) or not _STEP_RE.match(step):

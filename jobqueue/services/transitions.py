@@ -97,7 +97,7 @@ def attempts_succeed(cursor, rows: list[tuple], now: dt.datetime, detail: dict) 
     """Many attempts' `attempt_and_job_move` to succeeded, in one go (sql.succeed): `rows` are
     (attempt id, job id, the job's state as read, error, summary, worker id). It enqueues no
     follow-ups: the caller passes only jobs it read, under its lock, as having none
-    (attempts._finish_many). Each move is still a compare-and-set; a row count short of
+    (attempts.finish_many). Each move is still a compare-and-set; a row count short of
     `rows` is LostUpdate."""
     check_transition(ATTEMPT_TRANSITIONS, "active", "succeeded")
     for row in rows:

@@ -5,8 +5,9 @@ in one group commit share one claim per worker."""
 
 import pytest
 from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
-from jobqueue import services
+from jobqueue import selectors, services
 from jobqueue.exceptions import StaleAttempt
 from jobqueue.models import Attempt, AttemptState, Job, JobState
 from tests.factories import claim, enqueue, register
@@ -128,3 +129,70 @@ def test_a_claim_that_fails_forgets_the_job_classes_its_transaction_made(clock, 
     gpu, _ = services.job_enqueue(key="gpu", project="p", capabilities=["gpu"], **spec)  # takes the rolled-back id
     assert claim(worker) == []  # w1 has no gpu: had the cache kept the rolled-back class, it would claim it
     assert Job.objects.get(pk=gpu.pk).state == JobState.QUEUED
+
+
+# ------------------------------------------------------------------ the job's last writes, carried
+
+LAST = {"key": "step:last", "state": "done", "value": {"output": "ok"}}
+
+
+def _records(job_id: int) -> dict:
+    return {key: (r.state, r.value) for key, r in services.records_of_job(job_id).items()}
+
+
+def test_the_finish_carries_its_jobs_last_record_and_log_ends_under_one_read_of_the_attempt(clock):
+    job = enqueue()
+    worker = register("w1")
+    [c] = claim(worker)
+    ends = [{"stream": "quiet", "offset": 0, "text": ""}, {"stream": "last", "offset": 0, "text": "bye\n"}]
+    with CaptureQueriesContext(connection) as queries:
+        done = _finish_and_claim(worker, c, max_jobs=0, record=LAST, log_ends=ends)
+    assert (done.job_state, done.refused) == (JobState.SUCCEEDED, ())
+    assert _records(job.pk) == {"step:last": ("done", {"output": "ok"})}
+    streams = {s.name: (s.received, s.ended) for s in selectors.log_streams(job_id=job.pk)}
+    assert streams == {"quiet": (0, True), "last": (4, True)}
+    fenced = [q["sql"] for q in queries.captured_queries if "a.token_hash" in q["sql"]]
+    assert len(fenced) == 1  # the finish's read of the attempt fences the writes it carries too
+    # The quiet stream begins ended (one insert); the other is ended by the update of its append.
+    assert sum('UPDATE queue_logstream' in q["sql"] for q in queries.captured_queries) == 1
+
+
+def test_a_carried_write_that_is_refused_is_named_and_the_rest_stands(clock):
+    job = enqueue()
+    worker = register("w1")
+    [c] = claim(worker)
+    ends = [{"stream": "bad name!", "offset": 0, "text": ""}, {"stream": "good", "offset": 0, "text": ""}]
+    done = _finish_and_claim(worker, c, max_jobs=0, record=LAST, log_ends=ends)
+    assert done.job_state == JobState.SUCCEEDED
+    [why] = done.refused
+    assert why.startswith("log stream 'bad name!'") and "stream must be" in why
+    assert [s.name for s in selectors.log_streams(job_id=job.pk)] == ["good"]
+    assert "step:last" in _records(job.pk)
+
+
+def test_a_finish_sent_again_writes_nothing_it_carries(clock):
+    job = enqueue()
+    worker = register("w1")
+    [c] = claim(worker)
+    _finish_and_claim(worker, c, max_jobs=0)
+    again = _finish_and_claim(worker, c, max_jobs=0, record=LAST, log_ends=[{"stream": "late", "offset": 0, "text": ""}])
+    assert again.job_state == JobState.SUCCEEDED  # the same finish again: the same answer
+    assert _records(job.pk) == {} and selectors.log_streams(job_id=job.pk) == []
+
+
+def test_many_finishes_carry_each_its_own_writes(clock):
+    jobs = [enqueue(), enqueue()]
+    worker = register("w1", capacity=2)
+    c1, c2 = claim(worker, max_jobs=2)
+    call = {"outcome": "succeeded", "worker_id": worker.worker_id, "session": worker.session, "max_jobs": 0}
+    calls = [
+        {**call, "attempt_id": c1.attempt_id, "token": c1.token, "record": LAST},
+        {**call, "attempt_id": c2.attempt_id, "token": c2.token, "log_ends": [{"stream": "s", "offset": 0, "text": "x"}]},
+    ]
+    with transaction.atomic():
+        answers = services.attempt_finish_and_claim.body.many(calls)
+    assert [(a.job_state, a.refused, e) for a, e in answers] == [(JobState.SUCCEEDED, (), None)] * 2
+    assert {c1.job_id, c2.job_id} == {job.pk for job in jobs}
+    assert _records(c1.job_id) == {"step:last": ("done", {"output": "ok"})} and _records(c2.job_id) == {}
+    assert [s.name for s in selectors.log_streams(job_id=c2.job_id)] == ["s"]
+    assert selectors.log_streams(job_id=c1.job_id) == []

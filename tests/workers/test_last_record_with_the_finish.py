@@ -1,7 +1,8 @@
-"""The success of a job's last step, recorded by the embedded worker, commits with the job's
-finish (or before it) instead of in a wait of its own (Journal.record_before_finish): never
-later than the finish, and again ahead of a finish that is retried. A journal whose finish
-does not follow (the executor called directly) records it before it returns, as any record.
+"""The success of a job's last step, recorded by the embedded worker, is carried by the job's
+finish (Journal.record_before_finish, services.attempt_finish_and_claim's `record`): written
+under the finish's fence in the finish's transaction, never without it, and by every try of
+a finish that is retried. A journal whose finish carries nothing (the executor called
+directly, a remote worker) records it before it returns, as any record.
 
 The committer runs on its own thread with its own connection, as the embedded worker's
 does, so the tests run on a transactional database."""
@@ -10,7 +11,8 @@ import threading
 
 import pytest
 
-from jobqueue import services
+from jobqueue import selectors, services
+from jobqueue.exceptions import StaleAttempt
 from jobqueue.groupcommit import GroupCommitter
 from tests.factories import claim, enqueue, register
 from workers.journal import Journal
@@ -23,9 +25,7 @@ VALUE = {"output": "done", "worker_id": "w1"}
 
 @pytest.fixture
 def transport():
-    # A deferred call commits with the next waited one or after defer_seconds: a minute here,
-    # so only the waited call can have committed it.
-    return InProcessTransport(worker_id="w1", committer=GroupCommitter(defer_seconds=60))
+    return InProcessTransport(worker_id="w1", committer=GroupCommitter())
 
 
 def journal_of(job_id: int) -> dict:
@@ -34,43 +34,57 @@ def journal_of(job_id: int) -> dict:
 
 def a_claim():
     job = enqueue()
-    [c] = claim(register("w1"))
-    return job, c
+    worker = register("w1")
+    [c] = claim(worker)
+    return job, c, worker
 
 
-def test_the_last_steps_record_waits_for_the_finish_and_commits_with_it(transport):
-    job, c = a_claim()
-    journal = Journal(transport=transport, claim=c, cancel=threading.Event(), finish_follows=True)
+def finish(transport, c, worker, **carried):
+    return transport.finish_and_claim(
+        attempt_id=c.attempt_id, token=c.token, outcome="succeeded", summary={}, error=None,
+        session=worker.session, max_jobs=0, **carried,
+    )  # fmt: skip
+
+
+def carried_record(journal: Journal) -> dict:
+    key, state, value = journal.before_finish
+    return {"key": key, "state": state, "value": value}
+
+
+def test_the_last_steps_record_is_kept_for_the_finish_and_commits_with_it(transport):
+    job, c, worker = a_claim()
+    journal = Journal(transport=transport, claim=c, cancel=threading.Event(), carried=True)
     journal.record_before_finish("step:last", "done", VALUE)
-    assert journal_of(job.pk) == {}  # queued, not committed: nobody waited for it
-    assert transport.finish(attempt_id=c.attempt_id, token=c.token, outcome="succeeded", summary={}, error=None) == "succeeded"
+    assert journal_of(job.pk) == {}  # kept for the finish: nothing sent
+    assert finish(transport, c, worker, record=carried_record(journal)) == ("succeeded", [], ())
     assert journal_of(job.pk) == {"step:last": ("done", VALUE)}
 
 
-def test_without_a_finish_to_follow_the_record_is_committed_before_it_returns(transport):
-    job, c = a_claim()
+def test_without_a_finish_to_carry_it_the_record_is_committed_before_it_returns(transport):
+    job, c, _ = a_claim()
     journal = Journal(transport=transport, claim=c, cancel=threading.Event())
     journal.record_before_finish("step:last", "done", VALUE)
+    assert journal.before_finish is None
     assert journal_of(job.pk) == {"step:last": ("done", VALUE)}
 
 
-class _Later:
-    """A transport that only queues records for later: what the journal asks of it."""
+def test_a_stale_finish_writes_nothing_it_carries(transport):
+    job, c, worker = a_claim()
+    with pytest.raises(StaleAttempt):
+        transport.finish_and_claim(
+            attempt_id=c.attempt_id, token="not-the-token", outcome="succeeded", summary={}, error=None,
+            session=worker.session, max_jobs=0, record={"key": "step:last", "state": "done", "value": VALUE},
+            log_ends=[{"stream": "last", "offset": 0, "text": "bye\n"}],
+        )  # fmt: skip
+    assert journal_of(job.pk) == {}
+    assert selectors.log_streams(job_id=job.pk) == []
 
-    def __init__(self):
-        self.queued: list[dict] = []
 
-    def record_later(self, **call):
-        self.queued.append(call)
-
-
-def test_a_retried_finish_queues_the_last_record_again():
-    _, c = a_claim()
-    transport = _Later()
-    journal = Journal(transport=transport, claim=c, cancel=threading.Event(), finish_follows=True)
-    journal.resend_before_finish()
-    assert transport.queued == []  # nothing queued before the finish: nothing to send again
-    journal.record_before_finish("step:last", "done", VALUE)
-    journal.resend_before_finish()  # the runtime, before it sends a failed finish again
-    call = {"attempt_id": c.attempt_id, "token": c.token, "key": "step:last", "state": "done", "value": VALUE}
-    assert transport.queued == [call, call]
+def test_a_refused_record_is_named_and_the_finish_stands(transport, monkeypatch):
+    monkeypatch.setattr("jobqueue.services.records.MAX_RECORDS_PER_JOB", 1)
+    job, c, worker = a_claim()
+    services.job_record(attempt_id=c.attempt_id, token=c.token, key="first", state="done", value={})  # the journal is full
+    state, _, refused = finish(transport, c, worker, record={"key": "step:last", "state": "done", "value": VALUE})
+    assert state == "succeeded"
+    assert len(refused) == 1 and "step:last" in refused[0] and "journal holds at most" in refused[0]
+    assert "step:last" not in journal_of(job.pk)
