@@ -320,7 +320,7 @@ class JobRecord(models.Model):
     later attempt can skip what is done and a stale one can record nothing.
     A `done` record is final."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="records")
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="records", db_index=False)  # (job, key) leads with it
     key = models.CharField(max_length=255)
     # The key up to its first ":" (all of it without one): how a layer above finds every done record
     # of one kind across jobs (the control plane's pending spawns) without reading every journal,
@@ -345,8 +345,9 @@ class LogStream(models.Model):
     (attempt, name), the workflow layer's step history id. The queue keeps its last
     MAX_LOG_STREAM_BYTES; `dropped` counts what came before and is no longer kept."""
 
-    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="log_streams")
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+")
+    # No index of their own: (attempt, name) and (job, id) below lead with them.
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="log_streams", db_index=False)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+", db_index=False)
     name = models.CharField(max_length=255)
     received = models.BigIntegerField(default=0, help_text="bytes of UTF-8 text received: the next chunk's offset")
     dropped = models.BigIntegerField(default=0, help_text="bytes at the start no longer kept")

@@ -45,7 +45,8 @@ class WorkflowInstance(models.Model):
     job's (`instance.job.state`), never a copy. `job` is set in the
     transaction that creates the instance (workflows.services.dispatch)."""
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="instances")
+    # No index of its own: the unique (task, generation, workflow) below leads with it.
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="instances", db_index=False)
     generation = models.PositiveIntegerField()
     workflow = models.CharField(max_length=128)
     job = models.OneToOneField("queue.Job", null=True, on_delete=models.CASCADE, related_name="+")
@@ -96,7 +97,8 @@ class StepRun(models.Model):
     writes it here; a remote worker keeps it in its own history database and
     sends the summary with its finish."""
 
-    instance = models.ForeignKey(WorkflowInstance, on_delete=models.CASCADE, related_name="steps")
+    # No index of its own: the unique (instance, attempt_number, step_id) below leads with it.
+    instance = models.ForeignKey(WorkflowInstance, on_delete=models.CASCADE, related_name="steps", db_index=False)
     attempt_number = models.PositiveIntegerField()
     step_id = models.CharField(max_length=128)
     status = models.CharField(max_length=16)  # running, succeeded, failed, cancelled, timed_out, skipped

@@ -1,5 +1,6 @@
 """The foreign keys whose lookups a wider index serves have no index of their own
-(migration 0009): each would be one more write per claim, finish or event. Read
+(queue migrations 0009 and 0010, workflows 0003): each would be one more write per
+claim, finish, event, record, log stream, step run or instance. Read
 from the database itself, so a migration that names the wrong index fails here."""
 
 import pytest
@@ -18,6 +19,11 @@ def indexes_on(table: str) -> dict[str, list[str]]:
     ("queue_attempt", "job_id", ["job_id", "number"]),
     ("queue_attempt", "worker_id", ["worker_id", "state"]),
     ("queue_jobevent", "job_id", ["job_id", "id"]),
+    ("queue_jobrecord", "job_id", ["job_id", "key"]),
+    ("queue_logstream", "attempt_id", ["attempt_id", "name"]),
+    ("queue_logstream", "job_id", ["job_id", "id"]),
+    ("workflows_steprun", "instance_id", ["instance_id", "attempt_number", "step_id"]),
+    ("workflows_workflowinstance", "task_id", ["task_id", "generation", "workflow"]),
 ])  # fmt: skip
 def test_a_foreign_key_led_by_a_wider_index_has_none_of_its_own(table, column, covered_by):
     indexes = indexes_on(table)

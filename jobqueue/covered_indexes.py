@@ -1,0 +1,30 @@
+"""Migrations that drop the index Django gives a foreign key where another index leads
+with the same column: that one covers every lookup by it (and the cascade of a delete),
+and each index is one more B-tree page written by every insert. Dropped by name, since
+on SQLite AlterField would copy the whole table to drop an index; on PostgreSQL
+CONCURRENTLY (outside a transaction: the migration says `atomic = False`), so live
+claims are not queued behind a table lock. Names ending in `_like` (the
+varchar_pattern_ops twin Django makes for a text key) exist on PostgreSQL only."""
+
+from django.db import migrations
+
+
+def dropping(indexes: list[tuple[str, str]]) -> migrations.RunPython:
+    """A RunPython that drops `indexes` ((name, its CREATE INDEX columns: 'ON "t" ("c")')),
+    and makes them again when the migration is reversed."""
+
+    def names(schema_editor):
+        postgres = schema_editor.connection.vendor == "postgresql"
+        return [(name, on) for name, on in indexes if postgres or not name.endswith("_like")], postgres
+
+    def drop(apps, schema_editor):
+        found, postgres = names(schema_editor)
+        for name, _on in found:
+            schema_editor.execute(f'DROP INDEX {"CONCURRENTLY " if postgres else ""}IF EXISTS "{name}"')
+
+    def restore(apps, schema_editor):
+        found, postgres = names(schema_editor)
+        for name, on in found:
+            schema_editor.execute(f'CREATE INDEX {"CONCURRENTLY " if postgres else ""}IF NOT EXISTS "{name}" {on}')
+
+    return migrations.RunPython(drop, restore)
