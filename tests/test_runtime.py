@@ -309,9 +309,10 @@ class LastRecordExecutor(ScriptedExecutor):
     """Ends as the real executor does: its last step's log streamed and its success recorded to
     commit with the finish."""
 
-    def __init__(self, log_dir=None, **kwargs):
+    def __init__(self, log_dir=None, sender_thread=False, **kwargs):
         super().__init__(**kwargs)
         self.log_dir = log_dir
+        self.sender_thread = sender_thread  # the step's output starts the log sender's thread (the runner's on_output)
 
     def run(self, claim, cancel, *, grace, journal=None):
         if self.log_dir is not None:
@@ -319,6 +320,8 @@ class LastRecordExecutor(ScriptedExecutor):
             path.write_bytes(b"")
             journal.logs.step_started("last", path)
             path.write_bytes(b"the step's output\n")
+            if self.sender_thread:
+                journal.logs.output_written()
             journal.logs.step_ended("last")
         journal.record_before_finish("step:last", "done", {"output": "ok"})
         return super().run(claim, cancel, grace=grace, journal=journal)
@@ -349,11 +352,12 @@ class LosingBatchTransport(FlakyTransport):
         return self._with_queued(super().finish_and_claim, kwargs)
 
 
-def test_a_retried_finish_carries_the_last_steps_record_and_log_again(clock, tmp_path):
+@pytest.mark.parametrize("sender_thread", [False, True], ids=["carried by the finish", "queued by the sender's thread"])
+def test_a_retried_finish_carries_the_last_steps_record_and_log_again(clock, tmp_path, sender_thread):
     job = enqueue()
     transport = LosingBatchTransport(worker_id="w1")
     transport.finish_failures = 2
-    runtime = make_runtime(LastRecordExecutor(log_dir=tmp_path), transport=transport)
+    runtime = make_runtime(LastRecordExecutor(log_dir=tmp_path, sender_thread=sender_thread), transport=transport)
     runtime.claim_once()
     wait_for(lambda: job_state(job) == JobState.SUCCEEDED, timeout=WAIT, what="the job to succeed")
     assert services.records_of_job(job.pk)["step:last"].state == "done"

@@ -74,11 +74,11 @@ class Journal:
         on_refused: Callable[[Verdict, QueueError], None] = lambda verdict, exc: None,
         sleep: Callable[[float], None] | None = None,
         rand: Callable[[], float] = random.random,
-        carried: bool = False,
+        finish_carries: bool = False,
     ):
         self.transport = transport
         # The runtime's finish carries the job's last record (record_before_finish).
-        self.carried = carried
+        self.finish_carries = finish_carries
         self.before_finish: tuple[str, str, dict] | None = None  # what record_before_finish kept for the finish
         self.claim = claim
         self.cancel = cancel
@@ -99,16 +99,17 @@ class Journal:
 
     def record_before_finish(self, key: str, state: str, value: dict) -> None:
         """`record` for the job's last record, the success of its last step. When the runtime's
-        finish carries it (`carried`: the embedded worker's finish_and_claim writes it under the
-        finish's fence, in the finish's transaction: services/chaining.py), it is only kept here
-        (`before_finish`) for the finish to take, and every try of the finish takes it: one read of
-        the attempt and one call fewer a job, and no wait of its own. Nothing acts on its answer:
-        a stale attempt's record is refused, and so is its finish. Until that commit a kill loses
-        the record, and the next attempt runs the step again, as a kill just before a plain record
-        would. A refusal of the record itself (a full journal) is logged and does not fail the
+        finish carries it (`finish_carries`: the embedded worker's finish_and_claim writes it under
+        the finish's fence, in the finish's transaction: services/chaining.py), it is only kept here
+        (`before_finish`) for the finish to take, and every try of the finish takes it (but one sent
+        again after a bug broke the call, which goes without it): one read of the attempt and one
+        call fewer a job, and no wait of its own. Nothing acts on its answer: a stale attempt's
+        record is refused, and so is its finish. Until that commit (or when the finish is refused
+        for good) the record is lost, and the next attempt runs the step again, as after a kill
+        just before a plain record. A refusal of the record itself (a full journal) is logged and does not fail the
         job, which succeeded: only a later re-run of the job misses the record and runs the step
         again. Otherwise (a direct call of the executor, a remote worker) a plain `record`."""
-        if not self.carried:
+        if not self.finish_carries:
             self.record(key, state, value)
             return
         self.before_finish = (key, state, value)

@@ -19,12 +19,11 @@ plane keeps (MAX_LOG_STREAM_BYTES) it skips ahead to the tail.
 
 Offsets count the text as sent (UTF-8 bytes), so a chunk resent after a lost
 answer is recognised and stored once. In the embedded worker (`defer_final`,
-a transport with `log_append_later`) a stream's final chunk is queued on the
-group committer instead of waited for: it commits with the next call someone
-waits for (at the latest the job's finish, which the runtime sends once the
-sender is closed), and the runtime queues it again ahead of a finish it
-retries. A transient failure is sent again after
-a backoff; an answer that the attempt is stale (or this worker is superseded
+a transport with `log_append_later`) a final chunk that the sender's thread
+sends is queued on the group committer instead of waited for: it commits
+with the next call someone waits for (at the latest the job's finish, which
+the runtime sends once the sender is closed), and the runtime queues it again
+ahead of a finish it retries. A transient failure is sent again after a backoff; an answer that the attempt is stale (or this worker is superseded
 or refused) stops the sender: the runtime's heartbeats deal with the attempt.
 A chunk refused as malformed (a control plane's limit) drops that stream.
 """
@@ -158,8 +157,8 @@ class LogSender:
             here = thread is None and self._queues_the_rest()
             if thread is None and not here and self.streams and not self.stopped.is_set():
                 thread = self._start()
-        if here:  # no thread ever started, and nothing to wait for: the rest goes in final chunks, queued
-            # (or, with carry_final, kept for the finish to carry)
+        if here:  # no thread ever started, and nothing to wait for: the rest goes in final chunks,
+            # queued (or, with carry_final, kept for the finish to carry)
             for stream in list(self.streams):
                 if self._send_available(stream):
                     self.streams.remove(stream)
@@ -173,7 +172,7 @@ class LogSender:
 
     def _queues_the_rest(self) -> bool:
         """Under the lock, at close: every stream ended, and what is left of each fits in its final
-        chunk, which `later` queues without waiting."""
+        chunk, which `later` queues (or `carried` keeps for the finish) without waiting."""
         return self.later is not None and not self.stopped.is_set() and all(
             s.end is not None and s.end - s.position <= READ_BYTES for s in self.streams
         )

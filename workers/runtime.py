@@ -19,8 +19,9 @@ Threads:
 * a log sender per job (workers/logstream.py), on a thread of its own from
   a step's first output, streaming the steps' output to the control plane;
   the job's finish waits for it (at most LOG_FLUSH_WAIT), since the finished
-  attempt takes no more (in the embedded worker the final chunks are queued
-  to commit ahead of the finish instead of waited for).
+  attempt takes no more (in the embedded worker the finish carries the final
+  chunks of quiet steps, and the sender thread's own are queued to commit
+  ahead of the finish instead of waited for).
 
 Heartbeats do not back off: one try each, and the next round beats again at
 the heartbeat cadence, because leases depend on them.
@@ -401,7 +402,7 @@ class WorkerRuntime:
 
         return Journal(
             transport=self.transport, claim=job.claim, cancel=job.cancel, on_refused=refused, rand=self.rand,
-            carried=self.finish_and_claim is not None,  # _run_job's finish carries the job's last record
+            finish_carries=self.finish_and_claim is not None,  # _run_job's finish carries the job's last record
         )
 
     def reap(self, wait: bool = False) -> None:

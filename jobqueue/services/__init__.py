@@ -11,7 +11,8 @@ transaction. Job and attempt states move only through
                   at once), job_cancel, job_retry
     claiming.py   jobs_claim (claim_round: the same, with what a long-poll needs to wait)
     attempts.py   attempt_heartbeat, attempt_finish, attempt_abandon, leases_expire, reconcile
-    chaining.py   attempt_finish_and_claim (a finish that claims the worker's next job in its transaction)
+    chaining.py   attempt_finish_and_claim (a finish that claims the worker's next job in its transaction,
+                  and carries the job's last record and log ends under its fence)
     workers.py    worker_register, worker_heartbeat, worker_drain, worker_undrain, workers_forget,
                   worker_forget (an operator's)
     credentials.py  worker_enroll, worker_reregister (who may register an id), credential_issue,

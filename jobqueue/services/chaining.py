@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..clock import Clock
-from ..exceptions import NotFound, QueueError, SessionSuperseded
+from ..exceptions import InvalidRequest, NotFound, SessionSuperseded
 from ..types import Claim
 from . import attempts, logs, records
 from .claiming import _claim, requirement_cache
@@ -63,8 +63,10 @@ def _finish_of(call: dict) -> dict:
 
 def _carrier(calls: list[dict]) -> tuple[attempts.Carry | None, list[list[str]]]:
     """The carry of finish_many for `calls` (None when none carries a write), and per call the
-    refusals it met: a carried write refused by the queue's rules (a full journal, a log
-    past its limits) is left out and named; the finish and the other writes stand."""
+    refusals it met: a carried write that the queue's rules refuse (InvalidRequest: a full
+    journal, a log past its limits, a malformed one), which writes nothing before it is
+    refused, is left out and named, and the finish and the other writes stand. Any other
+    error (Unavailable: a concurrent append) fails the call, to be sent again whole."""
     refused: list[list[str]] = [[] for _ in calls]
     if not any(call.get("record") or call.get("log_ends") for call in calls):
         return None, refused
@@ -74,17 +76,21 @@ def _carrier(calls: list[dict]) -> tuple[attempts.Carry | None, list[list[str]]]
         record = call.get("record")
         if record:
             try:
-                records.write_fenced(fenced, key=record["key"], state=record["state"], value=record.get("value"), now=now)
-            except QueueError as exc:
-                refused[i].append(f"record {record['key']!r}: {exc}")
+                if not isinstance(record, dict):
+                    raise InvalidRequest("a carried record must be an object of key, state and value", field="record")
+                records.write_fenced(fenced, key=record.get("key"), state=record.get("state"), value=record.get("value"), now=now)
+            except InvalidRequest as exc:
+                refused[i].append(f"record {record.get('key') if isinstance(record, dict) else record!r:.80}: {exc}")
         for end in call.get("log_ends") or ():
             try:
+                if not isinstance(end, dict):
+                    raise InvalidRequest("a carried log end must be an object of stream, offset and text", field="log_ends")
                 logs.append_fenced(
-                    cursor, fenced, attempt_id=call["attempt_id"], stream=end["stream"], offset=end["offset"],
-                    text=end["text"], final=True, now=now,
+                    cursor, fenced, attempt_id=call["attempt_id"], stream=end.get("stream"), offset=end.get("offset"),
+                    text=end.get("text"), final=True, now=now,
                 )  # fmt: skip
-            except QueueError as exc:
-                refused[i].append(f"log stream {end['stream']!r}: {exc}")
+            except InvalidRequest as exc:
+                refused[i].append(f"log stream {end.get('stream') if isinstance(end, dict) else end!r:.80}: {exc}")
 
     return carry, refused
 

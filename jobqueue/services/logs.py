@@ -111,10 +111,12 @@ UPDATE queue_logstream SET received = %s, dropped = %s, ended = %s, updated_at =
 
 
 def _stream_of(
-    cursor, fenced, attempt_id: int, name: str, now: dt.datetime, *, ended: bool = False
+    cursor, fenced, attempt_id: int, name: str, now: dt.datetime, *, size: int = 0, ended: bool = False
 ) -> tuple[_Stream, int]:
     """The attempt's stream `name` (begun now when new, and ended already with `ended`: an empty
-    final chunk that begins it is the whole stream) and the bytes all its streams keep."""
+    final chunk that begins it is the whole stream) and the bytes all its streams keep. A
+    stream is begun only for a chunk (of `size` bytes) that the attempt's limits take: nothing
+    is written before a refusal (a finish that carries the chunk commits without it)."""
     cursor.execute(_STREAMS_OF_ATTEMPT, [attempt_id])
     streams = [_Stream(pk, attempt_id, n, r, d, bool(e)) for pk, n, r, d, e in cursor.fetchall()]
     kept = sum(row.received - row.dropped for row in streams)
@@ -123,6 +125,8 @@ def _stream_of(
             return row, kept
     if len(streams) >= MAX_LOG_STREAMS_PER_ATTEMPT:
         raise InvalidRequest(f"an attempt keeps at most {MAX_LOG_STREAMS_PER_ATTEMPT} log streams", field="stream")
+    if kept + size > MAX_LOG_BYTES_PER_ATTEMPT:
+        raise _over_limit(attempt_id)
     if not streams and fenced.number > LOG_ATTEMPTS_KEPT:
         # An attempt's first stream: the job keeps the logs of its last LOG_ATTEMPTS_KEPT attempts only.
         LogStream.objects.filter(
@@ -194,7 +198,7 @@ def append_fenced(cursor, fenced, *, attempt_id: int, stream: str, offset: int, 
 
 def _append_checked(cursor, fenced, attempt_id: int, stream: str, offset: int, data: bytes, final: bool, now: dt.datetime) -> LogState:
     # A new stream's first chunk that is empty and final (a quiet step's) begins it ended: no update follows.
-    row, kept = _stream_of(cursor, fenced, attempt_id, stream, now, ended=final and offset == 0 and not data)
+    row, kept = _stream_of(cursor, fenced, attempt_id, stream, now, size=len(data), ended=final and offset == 0 and not data)
     end = offset + len(data)
     if end <= row.received:  # a resend of text already received (or an empty chunk within it)
         if final and end == row.received and not row.ended:
@@ -215,14 +219,17 @@ def _append_checked(cursor, fenced, attempt_id: int, stream: str, offset: int, d
             ) from None
         data, offset = data[row.received - offset :], row.received
     if kept + len(data) > MAX_LOG_BYTES_PER_ATTEMPT:
-        raise InvalidRequest(
-            f"attempt {attempt_id} keeps at most {MAX_LOG_BYTES_PER_ATTEMPT} bytes of logs over all its streams",
-            field="text",
-        )
+        raise _over_limit(attempt_id)
     received, dropped = _append(cursor, row, offset, data)
     _move(cursor, row, received=received, dropped=dropped, ended=final, now=now)
     row.received, row.dropped, row.ended = received, dropped, final
     return _state(row, stored=True)
+
+
+def _over_limit(attempt_id: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"attempt {attempt_id} keeps at most {MAX_LOG_BYTES_PER_ATTEMPT} bytes of logs over all its streams", field="text"
+    )
 
 
 def _move(cursor, row: _Stream, *, received: int, dropped: int, ended: bool, now: dt.datetime) -> None:
@@ -232,7 +239,7 @@ def _move(cursor, row: _Stream, *, received: int, dropped: int, ended: bool, now
         raise Unavailable(f"log stream {row.name!r} of attempt {row.attempt_id} was appended to concurrently; send again")
 
 
-__all__ = ["LogState", "log_append"]
+__all__ = ["LogState", "append_fenced", "log_append"]
 
 
 @service

@@ -196,3 +196,24 @@ def test_many_finishes_carry_each_its_own_writes(clock):
     assert _records(c1.job_id) == {"step:last": ("done", {"output": "ok"})} and _records(c2.job_id) == {}
     assert [s.name for s in selectors.log_streams(job_id=c2.job_id)] == ["s"]
     assert selectors.log_streams(job_id=c1.job_id) == []
+
+
+def test_a_carried_log_end_past_the_attempts_limit_writes_no_stream(clock, monkeypatch):
+    monkeypatch.setattr("jobqueue.services.logs.MAX_LOG_BYTES_PER_ATTEMPT", 3)
+    job = enqueue()
+    worker = register("w1")
+    [c] = claim(worker)
+    done = _finish_and_claim(worker, c, max_jobs=0, log_ends=[{"stream": "last", "offset": 0, "text": "four"}])
+    assert done.job_state == JobState.SUCCEEDED
+    [why] = done.refused
+    assert why.startswith("log stream 'last'") and "bytes of logs" in why
+    assert selectors.log_streams(job_id=job.pk) == []  # refused before the stream was begun
+
+
+def test_a_malformed_carried_write_is_refused_by_name(clock):
+    worker = register("w1")
+    enqueue()
+    [c] = claim(worker)
+    done = _finish_and_claim(worker, c, max_jobs=0, record={"state": "done"}, log_ends=["not an object"])
+    assert done.job_state == JobState.SUCCEEDED and len(done.refused) == 2
+    assert "key must be" in done.refused[0] and "must be an object" in done.refused[1]

@@ -53,7 +53,7 @@ def carried_record(journal: Journal) -> dict:
 
 def test_the_last_steps_record_is_kept_for_the_finish_and_commits_with_it(transport):
     job, c, worker = a_claim()
-    journal = Journal(transport=transport, claim=c, cancel=threading.Event(), carried=True)
+    journal = Journal(transport=transport, claim=c, cancel=threading.Event(), finish_carries=True)
     journal.record_before_finish("step:last", "done", VALUE)
     assert journal_of(job.pk) == {}  # kept for the finish: nothing sent
     assert finish(transport, c, worker, record=carried_record(journal)) == ("succeeded", [], ())

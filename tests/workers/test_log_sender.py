@@ -236,3 +236,28 @@ def test_once_stopped_a_sender_queues_no_final_chunk(tmp_path):
     sender.stop()
     assert sender._send(stream, "late", final=True) is False  # what a thread past its last look would try
     assert sender.close(timeout=0) is False and transport.later == [] and transport.chunks == []
+
+
+def test_where_the_finish_carries_them_the_closing_threads_final_chunks_are_kept_for_it(tmp_path):
+    transport = Deferring()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01, defer_final=True, carry_final=True)
+    quiet = tmp_path / "quiet.log"
+    sender.step_started("quiet", quiet)
+    sender.step_ended("quiet")
+    assert sender.close(timeout=WAIT) is True
+    assert sender.thread is None and transport.chunks == [] and transport.later == []  # neither sent nor queued
+    assert sender.carried == [{"stream": "quiet", "offset": 0, "text": ""}]
+
+
+def test_a_final_chunk_the_senders_thread_sends_is_queued_even_where_the_finish_carries_the_rest(tmp_path):
+    transport = Deferring()
+    sender = LogSender(transport=transport, claim=CLAIM, interval=0.01, defer_final=True, carry_final=True)
+    path = tmp_path / "step.log"
+    sender.step_started("plan", path)
+    path.write_text("output\n")
+    sender.output_written()  # the thread starts: it sends this stream to its end, the finish carries none of it
+    sender.step_ended("plan")
+    assert sender.close(timeout=WAIT) is True
+    assert sender.thread is not None and sender.carried == []
+    [final] = transport.later
+    assert "".join(c["text"] for c in transport.chunks) + final["text"] == "output\n"
