@@ -137,7 +137,9 @@ class Job(models.Model):
     agent = models.CharField(max_length=128)
     runner = models.CharField(max_length=64)
     pool = models.CharField(max_length=128, null=True, blank=True)
-    requirements = models.ForeignKey(RequirementSet, on_delete=models.PROTECT, related_name="jobs")
+    # No index of its own: jobs are looked up by class only while queued (job_claim_order below
+    # serves that), and a class is never deleted. Each index is one more page per enqueue.
+    requirements = models.ForeignKey(RequirementSet, on_delete=models.PROTECT, related_name="jobs", db_index=False)
     # Jobs with the same affinity key run on the worker that claimed the first of them.
     affinity_key = models.CharField(max_length=255, null=True, blank=True)
     priority = models.IntegerField(default=0)

@@ -29,3 +29,9 @@ def test_a_foreign_key_led_by_a_wider_index_has_none_of_its_own(table, column, c
     indexes = indexes_on(table)
     assert [name for name, columns in indexes.items() if columns == [column]] == []
     assert covered_by in indexes.values()
+
+
+def test_a_jobs_class_has_no_index_of_its_own_the_claim_order_serves_its_queued_look_ups():
+    indexes = indexes_on("queue_job")  # (migration 0011)
+    assert [name for name, columns in indexes.items() if columns == ["requirements_id"]] == []
+    assert ["requirements_id", "priority", "available_at", "id"] in indexes.values()
