@@ -1,6 +1,8 @@
 """Migrations that drop the index Django gives a foreign key where another index leads
 with the same column: that one covers every lookup by it (and the cascade of a delete),
-and each index is one more B-tree page written by every insert. Dropped by name, since
+and each index is one more B-tree page written by every insert. (Queue 0011 is the one
+exception: a partial index covers the job class's look-ups, all of queued jobs, and no
+class is ever deleted; its docstring says why that is enough.) Dropped by name, since
 on SQLite AlterField would copy the whole table to drop an index; on PostgreSQL
 CONCURRENTLY (outside a transaction: the migration says `atomic = False`), so live
 claims are not queued behind a table lock. Names ending in `_like` (the

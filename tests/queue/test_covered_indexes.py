@@ -1,6 +1,7 @@
 """The foreign keys whose lookups a wider index serves have no index of their own
 (queue migrations 0009 and 0010, workflows 0003): each would be one more write per
-claim, finish, event, record, log stream, step run or instance. Read
+claim, finish, event, record, log stream, step run or instance. Nor has the job's class
+(queue 0011), whose look-ups are all of queued jobs: one write fewer per enqueue. Read
 from the database itself, so a migration that names the wrong index fails here."""
 
 import pytest
