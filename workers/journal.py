@@ -79,7 +79,7 @@ class Journal:
         self.transport = transport
         # The runtime's finish carries the job's last record (record_before_finish).
         self.finish_carries = finish_carries
-        self.before_finish: tuple[str, str, dict] | None = None  # what record_before_finish kept for the finish
+        self.before_finish: dict | None = None  # what record_before_finish kept: the finish's `record`
         self.claim = claim
         self.cancel = cancel
         self.on_refused = on_refused  # the runtime: discard the job (stale), or stop (superseded, unauthorized)
@@ -106,13 +106,14 @@ class Journal:
         call fewer a job, and no wait of its own. Nothing acts on its answer: a stale attempt's
         record is refused, and so is its finish. Until that commit (or when the finish is refused
         for good) the record is lost, and the next attempt runs the step again, as after a kill
-        just before a plain record. A refusal of the record itself (a full journal) is logged and does not fail the
-        job, which succeeded: only a later re-run of the job misses the record and runs the step
-        again. Otherwise (a direct call of the executor, a remote worker) a plain `record`."""
+        just before a plain record. A refusal of the record itself (a full journal) is logged and
+        does not fail the job, which succeeded: only a later re-run of the job misses the record
+        and runs the step again. Otherwise (a direct call of the executor, a remote worker) a
+        plain `record`."""
         if not self.finish_carries:
             self.record(key, state, value)
             return
-        self.before_finish = (key, state, value)
+        self.before_finish = {"key": key, "state": state, "value": value}
 
     def records(self) -> dict[str, Record]:
         """The job's journal by key."""

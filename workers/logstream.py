@@ -23,7 +23,8 @@ a transport with `log_append_later`) a final chunk that the sender's thread
 sends is queued on the group committer instead of waited for: it commits
 with the next call someone waits for (at the latest the job's finish, which
 the runtime sends once the sender is closed), and the runtime queues it again
-ahead of a finish it retries. A transient failure is sent again after a backoff; an answer that the attempt is stale (or this worker is superseded
+ahead of a finish it retries. A transient failure is sent again after a
+backoff; an answer that the attempt is stale (or this worker is superseded
 or refused) stops the sender: the runtime's heartbeats deal with the attempt.
 A chunk refused as malformed (a control plane's limit) drops that stream.
 """

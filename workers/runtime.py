@@ -698,8 +698,7 @@ class WorkerRuntime:
         the final chunks its log sender kept (LogSender.carried)."""
         carried = {}
         if job.journal is not None and job.journal.before_finish is not None:
-            key, state, value = job.journal.before_finish
-            carried["record"] = {"key": key, "state": state, "value": value}
+            carried["record"] = job.journal.before_finish
         if job.logs is not None and job.logs.carried:
             carried["log_ends"] = list(job.logs.carried)
         return carried

@@ -93,8 +93,8 @@ def task_environment(
 def task_file_write(task: dict, path: Path) -> None:
     """The whole task as JSON, for APIARY_TASK_FILE. A lone surrogate is
     written as its JSON escape (\\udXXX), so the file is always valid UTF-8 JSON. One line, not
-    indented: the json module's C encoder writes only that (with `indent` it is pure Python, a
-    tenth of a job's set-up), and jq or any reader takes both alike."""
+    indented: the json module's C encoder writes only that (with `indent` it is pure Python,
+    three times as slow), and jq or any reader takes both alike."""
     private.private_dir(path.parent)
     text = json.dumps(task, ensure_ascii=False, default=str)
     private.write_private(path, (text + "\n").encode("utf-8", errors="backslashreplace"))

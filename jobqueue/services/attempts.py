@@ -151,7 +151,7 @@ def finish_many(calls: list[dict], carry: Carry | None = None) -> list[tuple[obj
         not set(kw) <= _FINISH_ARGUMENTS for kw in calls
     ):
         return [
-            (finish_one(kw, _nth(carry, i)) if set(kw) <= _FINISH_ARGUMENTS else attempt_finish.body(**kw), None)
+            (finish_one(kw, carry, i) if set(kw) <= _FINISH_ARGUMENTS else attempt_finish.body(**kw), None)
             for i, kw in enumerate(calls)
         ]
     now = now_of(calls[0].get("clock"))
@@ -190,10 +190,6 @@ def finish_many(calls: list[dict], carry: Carry | None = None) -> list[tuple[obj
     return answers
 
 
-def _nth(carry: Carry | None, i: int) -> Carry | None:
-    return None if carry is None else (lambda _, cursor, a, now: carry(i, cursor, a, now))
-
-
 @service(many=finish_many)
 def attempt_finish(
     *,
@@ -215,8 +211,8 @@ def attempt_finish(
     return finish_one(kw)
 
 
-def finish_one(kw: dict, carry: Carry | None = None) -> str:
-    """attempt_finish's body for its keyword arguments `kw`, with `carry` (finish_many's) as call 0."""
+def finish_one(kw: dict, carry: Carry | None = None, index: int = 0) -> str:
+    """attempt_finish's body for its keyword arguments `kw`, with `carry` (finish_many's) for call `index`."""
     attempt_id, outcome = kw["attempt_id"], kw["outcome"]
     if outcome not in OUTCOMES:  # before the clock and the read, as it always was
         raise InvalidRequest(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}", field="outcome")
@@ -227,7 +223,7 @@ def finish_one(kw: dict, carry: Carry | None = None) -> str:
         if a is None:
             return again
         if carry is not None:
-            carry(0, cursor, a, now)
+            carry(index, cursor, a, now)
         return _settle(cursor, a, kw, now)
 
 

@@ -76,23 +76,32 @@ def _carrier(calls: list[dict]) -> tuple[attempts.Carry | None, list[list[str]]]
         record = call.get("record")
         if record:
             try:
-                if not isinstance(record, dict):
-                    raise InvalidRequest("a carried record must be an object of key, state and value", field="record")
+                record = _object(record, "record", "key, state and value")
                 records.write_fenced(fenced, key=record.get("key"), state=record.get("state"), value=record.get("value"), now=now)
             except InvalidRequest as exc:
-                refused[i].append(f"record {record.get('key') if isinstance(record, dict) else record!r:.80}: {exc}")
+                refused[i].append(f"record {_name(record, 'key')}: {exc}")
         for end in call.get("log_ends") or ():
             try:
-                if not isinstance(end, dict):
-                    raise InvalidRequest("a carried log end must be an object of stream, offset and text", field="log_ends")
+                end = _object(end, "log_ends", "stream, offset and text")
                 logs.append_fenced(
                     cursor, fenced, attempt_id=call["attempt_id"], stream=end.get("stream"), offset=end.get("offset"),
                     text=end.get("text"), final=True, now=now,
                 )  # fmt: skip
             except InvalidRequest as exc:
-                refused[i].append(f"log stream {end.get('stream') if isinstance(end, dict) else end!r:.80}: {exc}")
+                refused[i].append(f"log stream {_name(end, 'stream')}: {exc}")
 
     return carry, refused
+
+
+def _object(item, field: str, keys: str) -> dict:
+    if not isinstance(item, dict):
+        raise InvalidRequest(f"a carried {field} item must be an object of {keys}", field=field)
+    return item
+
+
+def _name(item, key: str) -> str:
+    """What a refusal calls a carried write: its key or stream, else the item itself."""
+    return f"{item.get(key) if isinstance(item, dict) else item!r:.80}"
 
 
 def _claims_for(calls: list[dict]) -> list[list[Claim]]:

@@ -46,17 +46,12 @@ def finish(transport, c, worker, **carried):
     )  # fmt: skip
 
 
-def carried_record(journal: Journal) -> dict:
-    key, state, value = journal.before_finish
-    return {"key": key, "state": state, "value": value}
-
-
 def test_the_last_steps_record_is_kept_for_the_finish_and_commits_with_it(transport):
     job, c, worker = a_claim()
     journal = Journal(transport=transport, claim=c, cancel=threading.Event(), finish_carries=True)
     journal.record_before_finish("step:last", "done", VALUE)
     assert journal_of(job.pk) == {}  # kept for the finish: nothing sent
-    assert finish(transport, c, worker, record=carried_record(journal)) == ("succeeded", [], ())
+    assert finish(transport, c, worker, record=journal.before_finish) == ("succeeded", [], ())
     assert journal_of(job.pk) == {"step:last": ("done", VALUE)}
 
 
