@@ -12,7 +12,7 @@ from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.db import connection
 
-from apiary_site import logformat, security
+from apiary_site import fresh_schema, logformat, security
 from jobqueue import conf
 from workers import private
 from workflows.config import DEFAULT_CONFIG_NAME, Config, ConfigError, find_config_path, load
@@ -39,8 +39,11 @@ def configure_if_present(explicit_path: str | None = None, *, require_env: bool 
 
 def prepare_database(config: Config) -> None:
     """Create the state directory and bring the schema up to date (a no-op
-    when it is): `apiary run` and `apiary task add` may come first on a new project."""
+    when it is): `apiary run` and `apiary task add` may come first on a new project.
+    A new SQLite database takes the schema's snapshot first (apiary_site.fresh_schema)."""
     secure_state(config)
+    if connection.vendor == "sqlite":
+        fresh_schema.load_if_new(connection)
     call_command("migrate", interactive=False, verbosity=0)
 
 
