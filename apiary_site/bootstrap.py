@@ -40,10 +40,11 @@ def configure_if_present(explicit_path: str | None = None, *, require_env: bool 
 def prepare_database(config: Config) -> None:
     """Create the state directory and bring the schema up to date (a no-op
     when it is): `apiary run` and `apiary task add` may come first on a new project.
-    A new SQLite database takes the schema's snapshot first (apiary_site.fresh_schema)."""
+    A new SQLite database is built from the schema's snapshot (apiary_site.fresh_schema),
+    and migrated only if the tree has migrations that the snapshot lacks."""
     secure_state(config)
-    if connection.vendor == "sqlite":
-        fresh_schema.load_if_new(connection)
+    if connection.vendor == "sqlite" and fresh_schema.build_if_new(connection):
+        return
     call_command("migrate", interactive=False, verbosity=0)
 
 

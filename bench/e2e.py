@@ -37,10 +37,13 @@ Columns (bench/README.md, "End to end, local mode", says more):
 Every run's project is removed only when all runs are over (`--keep`: never), so
 that no run pays for the one before: on a file system without a journal (this
 machine's root: ext4 without one) the kernel skips inodes freed in the last
-minute when it makes a new one, and each job makes four (its workspace, its log
-directory, the task file, the step's log); bench/inode_cost.py measures what
-that costs. For the same reason, leave a minute between two invocations (the
-one before removed its projects as it ended).
+5 seconds when it makes a new one, and those freed in the last 5 minutes while
+their inode table block is dirty (which new inodes beside them make it), and
+each job makes four (its workspace, its log directory, the task file, the
+step's log); bench/inode_cost.py measures what that costs. For the same reason,
+leave five minutes between two invocations (the one before removed its projects
+as it ended), or run every invocation of a comparison with `--keep` and delete
+the projects after the last.
 
 Before the numbers count, the database (.apiary/apiary.db, opened read-only
 after the run) must hold exactly N tasks, N workflow instances, N jobs all

@@ -181,7 +181,7 @@ class Executor:
             # Per instance (two workflows of a task share its workspace) and outside the workspace (a git
             # checkout there would see it as untracked): beside the instance's logs, since a directory
             # of their own would be one more inode a job, and on a file system without a journal
-            # (ext4 without one skips inodes freed in the last half minute) a new inode is costly.
+            # (ext4 without one skips inodes freed in the last minutes: bench/README.md) a new inode is costly.
             checkpoints = {step.id: inside(logs, f"{_file_name(prefix + step.id)}.checkpoint") for step in steps}
         except PathOutside as exc:
             return Outcome("failed", {}, f"job {claim.job_id}: refused a path from its claim: {exc}")
