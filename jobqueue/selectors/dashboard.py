@@ -6,7 +6,8 @@ import dataclasses
 import datetime as dt
 from collections import defaultdict
 
-from django.db.models import Case, CharField, Count, F, Value, When
+from django.db.models import Case, CharField, Count, Value, When
+from django.db.models.fields.json import KT
 from django.db.models.functions import TruncMinute
 
 from .. import conf
@@ -36,7 +37,7 @@ def outcomes_per_minute(*, now: dt.datetime, minutes: int = 60) -> list[dict]:
     start = (now - dt.timedelta(minutes=minutes - 1)).replace(second=0, microsecond=0)
     outcome = Case(
         When(kind="cancelled", then=Value(JobState.CANCELLED.value)),
-        default=F("detail__job_state"),
+        default=KT("detail__job_state"),  # as text (->> on PostgreSQL): a jsonb there beside a text is an error
         output_field=CharField(),
     )
     rows = (
