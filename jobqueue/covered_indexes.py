@@ -1,6 +1,7 @@
 """Migrations that drop the index Django gives a foreign key where another index leads
 with the same column: that one covers every lookup by it (and the cascade of a delete),
-and each index is one more B-tree page written by every insert. (Queue 0011 is the one
+and each index is one more B-tree page written by every insert; or that replace it with
+a partial one where most rows hold NULL (queue 0012), which no lookup by a value needs. (Queue 0011 is the one
 exception: a partial index covers the job class's look-ups, all of queued jobs, and no
 class is ever deleted; its docstring says why that is enough.) Dropped by name, since
 on SQLite AlterField would copy the whole table to drop an index; on PostgreSQL
@@ -30,3 +31,19 @@ def dropping(indexes: list[tuple[str, str]]) -> migrations.RunPython:
             schema_editor.execute(f'CREATE INDEX {"CONCURRENTLY " if postgres else ""}IF NOT EXISTS "{name}" {on}')
 
     return migrations.RunPython(drop, restore)
+
+
+def replacing(old: tuple[str, str], new: tuple[str, str]) -> migrations.RunPython:
+    """A RunPython that makes index `new` and then drops `old` (each (name, its CREATE INDEX
+    tail: 'ON "t" ("c") WHERE …'), so a lookup always has one of them; reversed, the other way."""
+    postgres = lambda schema_editor: schema_editor.connection.vendor == "postgresql"  # noqa: E731
+
+    def swap(schema_editor, make: tuple[str, str], drop: str) -> None:
+        how = "CONCURRENTLY " if postgres(schema_editor) else ""
+        schema_editor.execute(f'CREATE INDEX {how}IF NOT EXISTS "{make[0]}" {make[1]}')
+        schema_editor.execute(f'DROP INDEX {how}IF EXISTS "{drop}"')
+
+    return migrations.RunPython(
+        lambda apps, schema_editor: swap(schema_editor, new, old[0]),
+        lambda apps, schema_editor: swap(schema_editor, old, new[0]),
+    )

@@ -155,8 +155,9 @@ class Job(models.Model):
     # Attempts numbered up to this one count against neither max_attempts nor the retry
     # policy: an operator's retry (services.job_retry) gives the job its whole budget again.
     retried_through = models.PositiveIntegerField(default=0)
-    current_attempt = models.OneToOneField(
-        "Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="current_of"
+    # Unique where set (Meta): a queued or finished job (NULL) writes no entry.
+    current_attempt = models.ForeignKey(
+        "Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
     )
     summary = models.JSONField(default=dict, blank=True)
     # Jobs to enqueue, per terminal state, in the transaction that settles this one (a
@@ -177,6 +178,13 @@ class Job(models.Model):
             ),
             models.Index(fields=["state"], name="job_state"),
             models.Index(fields=["affinity_key"], name="job_affinity", condition=Q(affinity_key__isnull=False)),
+        ]
+        constraints = [
+            # One job per attempt, as the one-to-one it was held (queue 0013); partial, so the
+            # jobs that have none — every queued and most finished ones — hold no entry.
+            models.UniqueConstraint(
+                fields=["current_attempt"], name="job_current_attempt_unique", condition=Q(current_attempt__isnull=False)
+            ),
         ]
 
     def __str__(self) -> str:
@@ -239,7 +247,10 @@ class JobEvent(models.Model):
     kind = models.CharField(max_length=32)
     at = models.DateTimeField()
     worker_id = models.CharField(max_length=128, null=True, blank=True)
-    attempt = models.ForeignKey(Attempt, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # Its index is partial (below): an event of no attempt (enqueued, cancelled, retried) has no entry.
+    attempt = models.ForeignKey(
+        Attempt, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
+    )
     detail = models.JSONField(default=dict, blank=True)
 
     class Meta:
@@ -247,6 +258,7 @@ class JobEvent(models.Model):
         indexes = [
             models.Index(fields=["job", "id"], name="jobevent_job"),
             models.Index(fields=["at"], name="jobevent_at"),  # the dashboard's last hour
+            models.Index(fields=["attempt"], name="jobevent_attempt", condition=Q(attempt__isnull=False)),
         ]
 
     def __str__(self) -> str:

@@ -1,11 +1,17 @@
 """The foreign keys whose lookups a wider index serves have no index of their own
 (queue migrations 0009 and 0010, workflows 0003): each would be one more write per
 claim, finish, event, record, log stream, step run or instance. Nor has the job's class
-(queue 0011), whose look-ups are all of queued jobs: one write fewer per enqueue. Read
-from the database itself, so a migration that names the wrong index fails here."""
+(queue 0011), whose look-ups are all of queued jobs: one write fewer per enqueue. An
+event's attempt is indexed only where it has one (queue 0012), and a lookup by an attempt
+still uses that index; a job's current attempt is unique only where it is set (queue 0013),
+which still refuses one attempt for two jobs. Read from the database itself, so a migration that names the wrong
+index fails here."""
 
 import pytest
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
+
+from jobqueue.models import Job
+from tests.factories import claim, enqueue, register
 
 pytestmark = pytest.mark.django_db
 
@@ -36,3 +42,45 @@ def test_a_jobs_class_has_no_index_of_its_own_the_claim_order_serves_its_queued_
     indexes = indexes_on("queue_job")  # (migration 0011)
     assert [name for name, columns in indexes.items() if columns == ["requirements_id"]] == []
     assert ["requirements_id", "priority", "available_at", "id"] in indexes.values()
+
+
+def test_an_events_attempt_is_indexed_only_where_it_has_one_and_its_lookups_use_that():
+    indexes = indexes_on("queue_jobevent")  # (migration 0012)
+    assert [name for name, columns in indexes.items() if columns == ["attempt_id"]] == ["jobevent_attempt"]
+    with connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute("SELECT sql FROM sqlite_master WHERE name = 'jobevent_attempt'")
+        else:
+            cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = 'jobevent_attempt'")
+        (definition,) = cursor.fetchone()
+        assert "attempt_id" in definition and "IS NOT NULL" in definition.upper()
+        if connection.vendor == "postgresql":
+            cursor.execute("SET LOCAL enable_seqscan = off")  # an empty table: the plan must still be able to use it
+        # An attempt's events, and the SET NULL of a deleted attempt's (Django's collector: IN).
+        for where in ("attempt_id = 7", "attempt_id IN (7, 8)"):
+            cursor.execute(f"EXPLAIN {'QUERY PLAN ' if connection.vendor == 'sqlite' else ''}SELECT id FROM queue_jobevent WHERE {where}")
+            assert "jobevent_attempt" in " ".join(str(cell) for row in cursor.fetchall() for cell in row), where
+
+
+def index_definition(name: str) -> str:
+    with connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute("SELECT sql FROM sqlite_master WHERE name = %s", [name])
+        else:
+            cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = %s", [name])
+        return cursor.fetchone()[0]
+
+
+def test_a_jobs_current_attempt_is_unique_where_set_and_nowhere_else(clock):
+    definition = index_definition("job_current_attempt_unique")  # (migration 0013)
+    assert "UNIQUE" in definition.upper() and "current_attempt_id" in definition and "IS NOT NULL" in definition.upper()
+    assert [name for name, columns in indexes_on("queue_job").items() if columns == ["current_attempt_id"]] == [
+        "job_current_attempt_unique"
+    ]
+    _, second, third = enqueue(), enqueue(), enqueue()  # three jobs without an attempt: NULLs take no entry
+    [leased] = claim(register("w1"))
+    assert Job.objects.filter(current_attempt__isnull=True).count() == 2
+    other = second if leased.job_id != second.pk else third
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Job.objects.filter(pk=other.pk).update(current_attempt_id=leased.attempt_id)  # one attempt, two jobs
+    assert Job.objects.filter(current_attempt_id=leased.attempt_id).count() == 1
