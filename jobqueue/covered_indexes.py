@@ -12,23 +12,49 @@ varchar_pattern_ops twin Django makes for a text key) exist on PostgreSQL only."
 from django.db import migrations
 
 
+def create_index(schema_editor, name: str, on: str, *, unique: bool = False) -> None:
+    """CREATE [UNIQUE] INDEX `name` `on` unless it exists, CONCURRENTLY on PostgreSQL. A
+    CONCURRENTLY build that was interrupted leaves an invalid index behind, which no query
+    uses but every insert still writes, and which IF NOT EXISTS would take for the finished
+    one: that one is dropped and built again."""
+    postgres = schema_editor.connection.vendor == "postgresql"
+    if postgres and _invalid_on_postgresql(schema_editor, name):
+        schema_editor.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{name}"')
+    how = "CONCURRENTLY " if postgres else ""
+    schema_editor.execute(f'CREATE {"UNIQUE " if unique else ""}INDEX {how}IF NOT EXISTS "{name}" {on}')
+
+
+def drop_index(schema_editor, name: str) -> None:
+    how = "CONCURRENTLY " if schema_editor.connection.vendor == "postgresql" else ""
+    schema_editor.execute(f'DROP INDEX {how}IF EXISTS "{name}"')
+
+
+def _invalid_on_postgresql(schema_editor, name: str) -> bool:
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT NOT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+            " WHERE c.relname = %s AND pg_table_is_visible(c.oid)",
+            [name],
+        )
+        row = cursor.fetchone()
+    return bool(row and row[0])
+
+
 def dropping(indexes: list[tuple[str, str]]) -> migrations.RunPython:
     """A RunPython that drops `indexes` ((name, its CREATE INDEX columns: 'ON "t" ("c")')),
     and makes them again when the migration is reversed."""
 
-    def names(schema_editor):
+    def found(schema_editor):
         postgres = schema_editor.connection.vendor == "postgresql"
-        return [(name, on) for name, on in indexes if postgres or not name.endswith("_like")], postgres
+        return [(name, on) for name, on in indexes if postgres or not name.endswith("_like")]
 
     def drop(apps, schema_editor):
-        found, postgres = names(schema_editor)
-        for name, _on in found:
-            schema_editor.execute(f'DROP INDEX {"CONCURRENTLY " if postgres else ""}IF EXISTS "{name}"')
+        for name, _on in found(schema_editor):
+            drop_index(schema_editor, name)
 
     def restore(apps, schema_editor):
-        found, postgres = names(schema_editor)
-        for name, on in found:
-            schema_editor.execute(f'CREATE INDEX {"CONCURRENTLY " if postgres else ""}IF NOT EXISTS "{name}" {on}')
+        for name, on in found(schema_editor):
+            create_index(schema_editor, name, on)
 
     return migrations.RunPython(drop, restore)
 
@@ -36,12 +62,10 @@ def dropping(indexes: list[tuple[str, str]]) -> migrations.RunPython:
 def replacing(old: tuple[str, str], new: tuple[str, str]) -> migrations.RunPython:
     """A RunPython that makes index `new` and then drops `old` (each (name, its CREATE INDEX
     tail: 'ON "t" ("c") WHERE …'), so a lookup always has one of them; reversed, the other way."""
-    postgres = lambda schema_editor: schema_editor.connection.vendor == "postgresql"  # noqa: E731
 
     def swap(schema_editor, make: tuple[str, str], drop: str) -> None:
-        how = "CONCURRENTLY " if postgres(schema_editor) else ""
-        schema_editor.execute(f'CREATE INDEX {how}IF NOT EXISTS "{make[0]}" {make[1]}')
-        schema_editor.execute(f'DROP INDEX {how}IF EXISTS "{drop}"')
+        create_index(schema_editor, *make)
+        drop_index(schema_editor, drop)
 
     return migrations.RunPython(
         lambda apps, schema_editor: swap(schema_editor, new, old[0]),
