@@ -43,11 +43,15 @@ SNAPSHOT = Path(__file__).with_name("fresh_schema.json")
 
 def build_if_new(connection) -> bool:
     """Build a database with no tables from the snapshot. True when that made the whole schema
-    (every migration on disk is the snapshot's); False when there were tables (nothing done) or
-    the tree has migrations the snapshot lacks (`migrate` must follow)."""
-    snapshot = json.loads(SNAPSHOT.read_text())
+    (every migration on disk is the snapshot's); False when there were tables (nothing done), when
+    the snapshot file is missing (a tree installed without its package data: `migrate` builds it
+    all), or when the tree has migrations the snapshot lacks (`migrate` must follow)."""
     with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
         if connection.introspection.table_names(cursor):
+            return False
+        try:
+            snapshot = json.loads(SNAPSHOT.read_text())
+        except FileNotFoundError:
             return False
         for statement in snapshot["schema"]:
             cursor.execute(statement)  # no parameters: the text is run as it is
@@ -55,10 +59,10 @@ def build_if_new(connection) -> bool:
             names = ", ".join(connection.ops.quote_name(column) for column in columns)
             marks = ", ".join(["%s"] * len(columns))
             cursor.executemany(f"INSERT INTO {connection.ops.quote_name(table)} ({names}) VALUES ({marks})", rows)
-        now = timezone.now()
+        applied = connection.ops.adapt_datetimefield_value(timezone.now())  # as the migration recorder writes it
         cursor.executemany(
             'INSERT INTO "django_migrations" ("app", "name", "applied") VALUES (%s, %s, %s)',
-            [(app, name, now) for app, name in snapshot["migrations"]],
+            [(app, name, applied) for app, name in snapshot["migrations"]],
         )
     return on_disk() <= {(app, name) for app, name in snapshot["migrations"]}
 
