@@ -101,6 +101,16 @@ _INSERT_STREAM = """
 INSERT INTO queue_logstream (attempt_id, job_id, name, received, dropped, ended, created_at, updated_at)
 VALUES (%s, %s, %s, 0, 0, %s, %s, %s) RETURNING id
 """
+# A quiet step's whole stream (an empty final chunk at offset 0, the usual carried end) begun
+# ended, when the attempt has no such stream and room for one (parameters: the row, then attempt
+# and name, attempt and the most streams): one statement where a read of the attempt's streams
+# before it made two.
+_BEGIN_ENDED = """
+INSERT INTO queue_logstream (attempt_id, job_id, name, received, dropped, ended, created_at, updated_at)
+SELECT %s, %s, %s, 0, 0, TRUE, %s, %s
+ WHERE NOT EXISTS (SELECT 1 FROM queue_logstream WHERE attempt_id = %s AND name = %s)
+   AND (SELECT COUNT(*) FROM queue_logstream WHERE attempt_id = %s) < %s
+"""
 _LAST_CHUNK = "SELECT id, \"offset\", size FROM queue_logchunk WHERE stream_id = %s ORDER BY \"offset\" DESC LIMIT 1"
 _INSERT_CHUNK = "INSERT INTO queue_logchunk (stream_id, \"offset\", size, text) VALUES (%s, %s, %s, %s)"
 _EXTEND_CHUNK = "UPDATE queue_logchunk SET text = text || %s, size = size + %s WHERE id = %s"
@@ -197,6 +207,10 @@ def append_fenced(cursor, fenced, *, attempt_id: int, stream: str, offset: int, 
 
 
 def _append_checked(cursor, fenced, attempt_id: int, stream: str, offset: int, data: bytes, final: bool, now: dt.datetime) -> LogState:
+    if final and offset == 0 and not data and fenced.number <= LOG_ATTEMPTS_KEPT and _begun_ended(
+        cursor, fenced, attempt_id, stream, now
+    ):
+        return LogState(stream, 0, 0, True, False)
     # A new stream's first chunk that is empty and final (a quiet step's) begins it ended: no update follows.
     row, kept = _stream_of(cursor, fenced, attempt_id, stream, now, size=len(data), ended=final and offset == 0 and not data)
     end = offset + len(data)
@@ -224,6 +238,22 @@ def _append_checked(cursor, fenced, attempt_id: int, stream: str, offset: int, d
     _move(cursor, row, received=received, dropped=dropped, ended=final, now=now)
     row.received, row.dropped, row.ended = received, dropped, final
     return _state(row, stored=True)
+
+
+def _begun_ended(cursor, fenced, attempt_id: int, name: str, now: dt.datetime) -> bool:
+    """Whether the stream was begun ended by _BEGIN_ENDED; when not (it exists, the attempt has
+    its most streams, or a concurrent call began it), _stream_of's read decides. An attempt past
+    LOG_ATTEMPTS_KEPT takes that read: its first stream prunes the job's older logs."""
+    at = sql.ts(now)
+    try:
+        with savepoint_on_postgres():
+            cursor.execute(
+                _BEGIN_ENDED,
+                [attempt_id, fenced.job_id, name, at, at, attempt_id, name, attempt_id, MAX_LOG_STREAMS_PER_ATTEMPT],
+            )
+    except IntegrityError:
+        return False
+    return cursor.rowcount == 1
 
 
 def _over_limit(attempt_id: int) -> InvalidRequest:

@@ -19,6 +19,7 @@ The rules, one compare-and-set each:
 """
 
 import datetime as dt
+import functools
 import re
 
 from django.db import IntegrityError, connection
@@ -73,30 +74,39 @@ def key_kind(key: str) -> str:
     return key.partition(":")[0]
 
 
-_KEYS_OF_JOB = "SELECT COUNT(*), COUNT(CASE WHEN key = %s THEN 1 END) FROM queue_jobrecord WHERE job_id = %s"
-_INSERT_RECORD = """
-INSERT INTO queue_jobrecord (job_id, key, kind, state, value, attempt_number, started_by, updated_at)
-VALUES (%s, %s, %s, %s, %s, %s, %s, %s)
-"""
+@functools.cache
+def _insert_new(postgres: bool) -> str:
+    """A new key's record, inserted only while the key is not in the job's journal and the
+    journal has room (parameters: the row, then job and key, job and the most keys): the
+    usual write is this one statement, where a read of the journal before it made two.
+    PostgreSQL types the text and NULL of a SELECT list as text, so those cells are cast."""
+    value, started_by = ("CAST(%s AS jsonb)", "CAST(%s AS integer)") if postgres else ("%s", "%s")
+    return (
+        "INSERT INTO queue_jobrecord (job_id, key, kind, state, value, attempt_number, started_by, updated_at)"
+        f" SELECT %s, %s, %s, %s, {value}, %s, {started_by}, %s"
+        " WHERE NOT EXISTS (SELECT 1 FROM queue_jobrecord WHERE job_id = %s AND key = %s)"
+        " AND (SELECT COUNT(*) FROM queue_jobrecord WHERE job_id = %s) < %s"
+    )
 
 
 def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Record:
     """The write itself, for a fenced attempt, in the caller's transaction."""
     number = fenced.number
-    with connection.cursor() as cursor:  # the journal's size and whether the key is in it, in one read
-        held, found = sql.one(cursor, _KEYS_OF_JOB, [key, fenced.job_id])
-    if not found:
-        if held >= MAX_RECORDS_PER_JOB:
-            raise InvalidRequest(f"a job's journal holds at most {MAX_RECORDS_PER_JOB} keys", field="key")
-        started_by = number if state == RecordState.STARTED else None
-        params = [fenced.job_id, key, key_kind(key), state, sql.js(value), number, started_by, sql.ts(now)]
-        try:
-            with savepoint_on_postgres(), connection.cursor() as cursor:
-                cursor.execute(_INSERT_RECORD, params)
+    job_id = fenced.job_id
+    started_by = number if state == RecordState.STARTED else None
+    params = [job_id, key, key_kind(key), state, sql.js(value), number, started_by, sql.ts(now)]
+    try:
+        with savepoint_on_postgres(), connection.cursor() as cursor:
+            cursor.execute(_insert_new(sql.postgres()), [*params, job_id, key, job_id, MAX_RECORDS_PER_JOB])
+            inserted = cursor.rowcount == 1
+    except IntegrityError:  # another write of the same key came first: decide against it
+        inserted = False
+    else:
+        if inserted:
             return Record(key, state, value, number, started_by, False)
-        except IntegrityError:  # another write of the same key came first: decide against it
-            pass
-    existing = JobRecord.objects.get(job_id=fenced.job_id, key=key)
+    existing = JobRecord.objects.filter(job_id=job_id, key=key).first()
+    if existing is None:  # nothing inserted and no such key: the journal has no room
+        raise InvalidRequest(f"a job's journal holds at most {MAX_RECORDS_PER_JOB} keys", field="key")
     if existing.state == RecordState.DONE:
         return _of(existing, already_done=True)
     # The first attempt that started it stays `started_by`: a resent write of a later attempt still
