@@ -144,19 +144,7 @@ def run_step(
         if cancel.is_set():
             return result("cancelled", None)
         try:
-            # No preexec_fn, and start_new_session rather than one: CPython then starts the child
-            # with vfork (3.11), not a fork that copies the page tables of the whole worker.
-            proc = subprocess.Popen(
-                argv,
-                cwd=cwd,
-                env=env,
-                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                close_fds=True,
-                bufsize=0,  # raw pipes: _Output reads their descriptors, so no buffers (nor isatty, lseek) to set up
-            )
+            proc = _start(argv, cwd=cwd, env=env, stdin=stdin is not None)
         except OSError as exc:
             message = f"apiary: cannot start {argv[0]!r} in {cwd}: {exc}\n".encode()
             log.write(message)
@@ -197,6 +185,49 @@ def run_step(
             capture.add(note, stdout=False)
             return result(stopped_because, exit_code)
         return result("succeeded" if exit_code == 0 else "failed", exit_code)
+
+
+# (command name, PATH) → the executable found there: a shell's command hash. Without it the
+# child looks the name up itself, one execve per PATH entry before the one that holds it (eight
+# on a PATH with a few tool folders ahead of /usr/bin) for every step.
+_hashed: dict[tuple[str, str], str] = {}
+
+
+def _start(argv: list[str], *, cwd: Path, env: dict[str, str], stdin: bool) -> subprocess.Popen:
+    """The step's process, in a session of its own, its output on two pipes."""
+    path = env.get("PATH", os.defpath)  # where the child would look: its own environment's PATH
+    options = {
+        "cwd": cwd,
+        "env": env,
+        "stdin": subprocess.PIPE if stdin else subprocess.DEVNULL,
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.PIPE,
+        # No preexec_fn, and start_new_session rather than one: CPython then starts the child
+        # with vfork (3.11), not a fork that copies the page tables of the whole worker.
+        "start_new_session": True,
+        "close_fds": True,
+        "bufsize": 0,  # raw pipes: _Output reads their descriptors, so no buffers (nor isatty, lseek) to set up
+    }
+    executable = _looked_up(argv[0], path)
+    if executable is not None:
+        try:
+            return subprocess.Popen(argv, executable=executable, **options)
+        except FileNotFoundError:  # gone since it was found (or the cwd is): look again
+            _hashed.pop((argv[0], path), None)
+            executable = _looked_up(argv[0], path)
+    return subprocess.Popen(argv, executable=executable, **options)
+
+
+def _looked_up(name: str, path: str) -> str | None:
+    """Where the child would find `name` on `path`, from the hash or found now; None where the
+    child must look itself: a name with a folder in it, or a PATH with a relative entry (the
+    child looks after its chdir into the workspace, where such an entry names another folder)."""
+    found = _hashed.get((name, path))
+    if found is None and os.sep not in name and all(map(os.path.isabs, path.split(os.pathsep))):
+        found = shutil.which(name, path=path)
+        if found is not None:
+            _hashed[(name, path)] = found
+    return found
 
 
 def _open_log(log_path: Path):
