@@ -59,7 +59,7 @@ TASK_TEXT_CAP = 32 * 1024
 
 
 def task_environment(
-    claim: Claim, job: payload.WorkflowJob, *, worker_id: str, workspace: Path, task_file: Path
+    claim: Claim, job: payload.WorkflowJob, *, worker_id: str, workspace: Path, task_file: Path, task: dict | None = None
 ) -> dict[str, str]:
     """Identity and task fields for every step process. Task text travels in
     the environment, never spliced into a command line.
@@ -69,8 +69,9 @@ def task_environment(
     (JSON) and _ITEM_KEY are cut to TASK_TEXT_CAP bytes at a character
     boundary, ending with a note saying so. APIARY_TASK_FILE names a JSON file
     with the whole task, unchanged and uncut (`task_file_write`); read it when
-    the text may be long: `jq -r .body "$APIARY_TASK_FILE"`."""
-    task = clean(dict(job.task))
+    the text may be long: `jq -r .body "$APIARY_TASK_FILE"`. `task`: job.task cleaned so
+    already (the executor's, which its templates read too)."""
+    task = clean(dict(job.task)) if task is None else task
     env = {
         "APIARY_JOB_ID": str(claim.job_id),
         "APIARY_ATTEMPT": str(claim.attempt_number),
@@ -190,12 +191,15 @@ class Executor:
             task_file_write(job.task, task_file)
         except OSError as exc:
             return Outcome("failed", {}, f"cannot write the task file {task_file}: {exc}")
-        task_env = task_environment(claim, job, worker_id=self.worker_id, workspace=workspace, task_file=task_file)
+        task = clean(dict(job.task))
+        task_env = task_environment(
+            claim, job, worker_id=self.worker_id, workspace=workspace, task_file=task_file, task=task
+        )
         if isinstance(job, payload.HookJob):
             task_env |= _safe({"APIARY_HOOK_OUTCOME": job.outcome, "APIARY_EFFECT_KEY": job.effect_key})
         base_env = {**self._agent_env[workflow.agent], **task_env}  # safe already, both
         # Rendered prompts and commands become argv and environment strings, which hold no NUL.
-        context = {"task": clean(dict(job.task)), "steps": {}, "workflow": job.workflow, "attempt": claim.attempt_number}
+        context = {"task": task, "steps": {}, "workflow": job.workflow, "attempt": claim.attempt_number}
         deadline = time.monotonic() + workflow.timeout if workflow.timeout else None
         steps_summary: list[dict] = []
         outcome, error = "succeeded", None
