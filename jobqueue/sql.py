@@ -351,6 +351,8 @@ def ts(value):
     its per-call settings lookups; on PostgreSQL the datetime itself."""
     if value is None or postgres():
         return value
+    if value.tzinfo is dt.UTC:  # the clock's and the database's: already UTC, nothing to convert
+        return str(value.replace(tzinfo=None))
     return _sqlite_text(value, value.utcoffset())
 
 
@@ -398,7 +400,13 @@ def _prepared_class():
 
 
 def js(value) -> str:
-    return json.dumps(clean(value), separators=(",", ":"))
+    """`value` as JSON text that both backends store: NUL and lone surrogates as U+FFFD (clean).
+    Encoded first as it is: its ASCII-only text shows either as an escape (`\\u0000`,
+    `\\udXXX`), so only a value that may hold one is walked by clean and encoded again."""
+    text = json.dumps(value, separators=(",", ":"))
+    if "\\u0000" in text or "\\ud" in text:  # (a surrogate pair, an emoji's, shows so too)
+        return json.dumps(clean(value), separators=(",", ":"))
+    return text
 
 
 def from_js(value):
