@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from jobqueue.text import clean
 from jobqueue.types import Claim
 from workers.pgroups import ProcessGroups
 from workflows import executor as executor_module
@@ -64,7 +65,8 @@ GRACE = 0.5
 def environment_of(task: dict, **kwargs) -> dict[str, str]:
     """task_environment for a claim of `task`, with the workflow job read from its payload."""
     c = make_claim(task)
-    return task_environment(c, payload.read(c), **kwargs)
+    job = payload.read(c)
+    return task_environment(c, job, task=clean(dict(job.task)), **kwargs)
 
 
 def make_executor(tmp_path: Path, *steps: str, groups: ProcessGroups | None = None) -> Executor:

@@ -59,7 +59,7 @@ TASK_TEXT_CAP = 32 * 1024
 
 
 def task_environment(
-    claim: Claim, job: payload.WorkflowJob, *, worker_id: str, workspace: Path, task_file: Path, task: dict | None = None
+    claim: Claim, job: payload.WorkflowJob, *, worker_id: str, workspace: Path, task_file: Path, task: dict
 ) -> dict[str, str]:
     """Identity and task fields for every step process. Task text travels in
     the environment, never spliced into a command line.
@@ -69,9 +69,8 @@ def task_environment(
     (JSON) and _ITEM_KEY are cut to TASK_TEXT_CAP bytes at a character
     boundary, ending with a note saying so. APIARY_TASK_FILE names a JSON file
     with the whole task, unchanged and uncut (`task_file_write`); read it when
-    the text may be long: `jq -r .body "$APIARY_TASK_FILE"`. `task`: job.task cleaned so
-    already (the executor's, which its templates read too)."""
-    task = clean(dict(job.task)) if task is None else task
+    the text may be long: `jq -r .body "$APIARY_TASK_FILE"`. `task` is job.task cleaned so
+    (`clean`), once for this and the step templates."""
     env = {
         "APIARY_JOB_ID": str(claim.job_id),
         "APIARY_ATTEMPT": str(claim.attempt_number),

@@ -187,10 +187,12 @@ def run_step(
         return result("succeeded" if exit_code == 0 else "failed", exit_code)
 
 
-# (command name, PATH) → the executable found there: a shell's command hash. Without it the
-# child looks the name up itself, one execve per PATH entry before the one that holds it (eight
-# on a PATH with a few tool folders ahead of /usr/bin) for every step.
-_hashed: dict[tuple[str, str], str] = {}
+# (command name, PATH) → the executable found there and when: a shell's command hash. Without it
+# the child looks the name up itself, one execve per PATH entry before the one that holds it
+# (eight on a PATH with a few tool folders ahead of /usr/bin) for every step. An entry is looked
+# up again after HASH_SECONDS, so a command installed meanwhile in an earlier folder is found.
+_hashed: dict[tuple[str, str], tuple[str, float]] = {}
+HASH_SECONDS = 60.0
 
 
 def _start(argv: list[str], *, cwd: Path, env: dict[str, str], stdin: bool) -> subprocess.Popen:
@@ -212,21 +214,26 @@ def _start(argv: list[str], *, cwd: Path, env: dict[str, str], stdin: bool) -> s
     if executable is not None:
         try:
             return subprocess.Popen(argv, executable=executable, **options)
-        except FileNotFoundError:  # gone since it was found (or the cwd is): look again
+        except OSError:
+            # Gone, no longer executable, or a script whose interpreter is gone since it was found
+            # (or the cwd is missing): the child's own search decides, as without the hash.
             _hashed.pop((argv[0], path), None)
-            executable = _looked_up(argv[0], path)
-    return subprocess.Popen(argv, executable=executable, **options)
+    return subprocess.Popen(argv, **options)
 
 
 def _looked_up(name: str, path: str) -> str | None:
     """Where the child would find `name` on `path`, from the hash or found now; None where the
-    child must look itself: a name with a folder in it, or a PATH with a relative entry (the
-    child looks after its chdir into the workspace, where such an entry names another folder)."""
-    found = _hashed.get((name, path))
-    if found is None and os.sep not in name and all(map(os.path.isabs, path.split(os.pathsep))):
-        found = shutil.which(name, path=path)
-        if found is not None:
-            _hashed[(name, path)] = found
+    child must look itself: a name with a folder in it, or a PATH with a relative or empty entry
+    (the child looks after its chdir into the workspace, where such an entry names another folder)."""
+    now = time.monotonic()
+    found, at = _hashed.get((name, path), (None, 0.0))
+    if found is not None and now - at < HASH_SECONDS:
+        return found
+    if os.sep in name or not all(map(os.path.isabs, path.split(os.pathsep))):
+        return None
+    found = shutil.which(name, path=path)
+    if found is not None:
+        _hashed[(name, path)] = (found, now)
     return found
 
 

@@ -102,14 +102,14 @@ INSERT INTO queue_logstream (attempt_id, job_id, name, received, dropped, ended,
 VALUES (%s, %s, %s, 0, 0, %s, %s, %s) RETURNING id
 """
 # A quiet step's whole stream (an empty final chunk at offset 0, the usual carried end) begun
-# ended, when the attempt has no such stream and room for one (parameters: the row, then attempt
-# and name, attempt and the most streams): one statement where a read of the attempt's streams
-# before it made two.
+# ended, while the attempt has room for one more stream (parameters: the row, then the attempt
+# and the most streams) and has no such stream (ON CONFLICT: nothing inserted): one statement
+# where a read of the attempt's streams before it made two.
 _BEGIN_ENDED = """
 INSERT INTO queue_logstream (attempt_id, job_id, name, received, dropped, ended, created_at, updated_at)
 SELECT %s, %s, %s, 0, 0, TRUE, %s, %s
- WHERE NOT EXISTS (SELECT 1 FROM queue_logstream WHERE attempt_id = %s AND name = %s)
-   AND (SELECT COUNT(*) FROM queue_logstream WHERE attempt_id = %s) < %s
+ WHERE (SELECT COUNT(*) FROM queue_logstream WHERE attempt_id = %s) < %s
+    ON CONFLICT (attempt_id, name) DO NOTHING
 """
 _LAST_CHUNK = "SELECT id, \"offset\", size FROM queue_logchunk WHERE stream_id = %s ORDER BY \"offset\" DESC LIMIT 1"
 _INSERT_CHUNK = "INSERT INTO queue_logchunk (stream_id, \"offset\", size, text) VALUES (%s, %s, %s, %s)"
@@ -211,7 +211,7 @@ def _append_checked(cursor, fenced, attempt_id: int, stream: str, offset: int, d
         cursor, fenced, attempt_id, stream, now
     ):
         return LogState(stream, 0, 0, True, False)
-    # A new stream's first chunk that is empty and final (a quiet step's) begins it ended: no update follows.
+    # Otherwise too, a new stream whose first chunk is empty and final begins ended: no update follows.
     row, kept = _stream_of(cursor, fenced, attempt_id, stream, now, size=len(data), ended=final and offset == 0 and not data)
     end = offset + len(data)
     if end <= row.received:  # a resend of text already received (or an empty chunk within it)
@@ -241,18 +241,11 @@ def _append_checked(cursor, fenced, attempt_id: int, stream: str, offset: int, d
 
 
 def _begun_ended(cursor, fenced, attempt_id: int, name: str, now: dt.datetime) -> bool:
-    """Whether the stream was begun ended by _BEGIN_ENDED; when not (it exists, the attempt has
-    its most streams, or a concurrent call began it), _stream_of's read decides. An attempt past
-    LOG_ATTEMPTS_KEPT takes that read: its first stream prunes the job's older logs."""
+    """Whether the stream was begun ended by _BEGIN_ENDED; when not (it exists, or the attempt
+    has its most streams), _stream_of's read decides. An attempt past LOG_ATTEMPTS_KEPT takes
+    that read: its first stream prunes the job's older logs."""
     at = sql.ts(now)
-    try:
-        with savepoint_on_postgres():
-            cursor.execute(
-                _BEGIN_ENDED,
-                [attempt_id, fenced.job_id, name, at, at, attempt_id, name, attempt_id, MAX_LOG_STREAMS_PER_ATTEMPT],
-            )
-    except IntegrityError:
-        return False
+    cursor.execute(_BEGIN_ENDED, [attempt_id, fenced.job_id, name, at, at, attempt_id, MAX_LOG_STREAMS_PER_ATTEMPT])
     return cursor.rowcount == 1
 
 

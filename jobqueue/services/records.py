@@ -22,7 +22,7 @@ import datetime as dt
 import functools
 import re
 
-from django.db import IntegrityError, connection
+from django.db import connection
 
 from .. import jsonlimits, sql
 from ..clock import Clock
@@ -41,7 +41,7 @@ from ..types import (
     Record,
 )
 from . import attempts
-from .common import now_of, savepoint_on_postgres, service
+from .common import now_of, service
 
 MAX_KEY = MAX_RECORD_KEY
 MAX_VALUE_BYTES = MAX_RECORD_VALUE_BYTES
@@ -76,37 +76,34 @@ def key_kind(key: str) -> str:
 
 @functools.cache
 def _insert_new(postgres: bool) -> str:
-    """A new key's record, inserted only while the key is not in the job's journal and the
-    journal has room (parameters: the row, then job and key, job and the most keys): the
-    usual write is this one statement, where a read of the journal before it made two.
+    """A new key's record, inserted only while the job's journal has room (parameters: the row,
+    then the job and the most keys) and the key is not in it (ON CONFLICT: nothing inserted).
     PostgreSQL types the text and NULL of a SELECT list as text, so those cells are cast."""
     value, started_by = ("CAST(%s AS jsonb)", "CAST(%s AS integer)") if postgres else ("%s", "%s")
     return (
         "INSERT INTO queue_jobrecord (job_id, key, kind, state, value, attempt_number, started_by, updated_at)"
         f" SELECT %s, %s, %s, %s, {value}, %s, {started_by}, %s"
-        " WHERE NOT EXISTS (SELECT 1 FROM queue_jobrecord WHERE job_id = %s AND key = %s)"
-        " AND (SELECT COUNT(*) FROM queue_jobrecord WHERE job_id = %s) < %s"
+        " WHERE (SELECT COUNT(*) FROM queue_jobrecord WHERE job_id = %s) < %s"  # a WHERE: SQLite's upsert after a SELECT needs one
+        " ON CONFLICT (job_id, key) DO NOTHING"
     )
 
 
-def _write(fenced, key: str, state: str, value: dict, now: dt.datetime) -> Record:
-    """The write itself, for a fenced attempt, in the caller's transaction."""
-    number = fenced.number
-    job_id = fenced.job_id
-    started_by = number if state == RecordState.STARTED else None
-    params = [job_id, key, key_kind(key), state, sql.js(value), number, started_by, sql.ts(now)]
-    try:
-        with savepoint_on_postgres(), connection.cursor() as cursor:
-            cursor.execute(_insert_new(sql.postgres()), [*params, job_id, key, job_id, MAX_RECORDS_PER_JOB])
-            inserted = cursor.rowcount == 1
-    except IntegrityError:  # another write of the same key came first: decide against it
-        inserted = False
-    else:
-        if inserted:
-            return Record(key, state, value, number, started_by, False)
-    existing = JobRecord.objects.filter(job_id=job_id, key=key).first()
-    if existing is None:  # nothing inserted and no such key: the journal has no room
-        raise InvalidRequest(f"a job's journal holds at most {MAX_RECORDS_PER_JOB} keys", field="key")
+def _write(fenced, key: str, state: str, value: dict, now: dt.datetime, *, usually_there: bool = False) -> Record:
+    """The write itself, for a fenced attempt, in the caller's transaction. A new key is one
+    statement: the guarded insert. A key that is usually there already (a checkpoint, written
+    again at every heartbeat) is read first, and inserted only when it is not."""
+    number, job_id = fenced.number, fenced.job_id
+    existing = JobRecord.objects.filter(job_id=job_id, key=key).first() if usually_there else None
+    if existing is None:
+        started_by = number if state == RecordState.STARTED else None
+        params = [job_id, key, key_kind(key), state, sql.js(value), number, started_by, sql.ts(now)]
+        with connection.cursor() as cursor:
+            cursor.execute(_insert_new(sql.postgres()), [*params, job_id, MAX_RECORDS_PER_JOB])
+            if cursor.rowcount == 1:
+                return Record(key, state, value, number, started_by, False)
+        existing = JobRecord.objects.filter(job_id=job_id, key=key).first()
+        if existing is None:  # nothing inserted and no such key: the journal has no room
+            raise InvalidRequest(f"a job's journal holds at most {MAX_RECORDS_PER_JOB} keys", field="key")
     if existing.state == RecordState.DONE:
         return _of(existing, already_done=True)
     # The first attempt that started it stays `started_by`: a resent write of a later attempt still
@@ -176,7 +173,7 @@ def attempt_heartbeat_with_checkpoint(
     now = now_of(clock)
     with connection.cursor() as cursor:
         fenced, beat = attempts.extend_lease(cursor, attempt_id, token, now, acting_as)
-    _write(fenced, key, RecordState.STARTED, {"content": clean(content)}, now)
+    _write(fenced, key, RecordState.STARTED, {"content": clean(content)}, now, usually_there=True)
     return beat
 
 
