@@ -69,7 +69,10 @@ def test_a_command_that_cannot_run_since_its_lookup_is_left_to_the_childs_search
     assert run(tmp_path, path_value) == "later"  # the child skips what it cannot run, as before
     assert hashed() == {}
     assert run(tmp_path, path_value) == "later"
-    assert hashed() == {("apiary-test-tool", path_value): str(later)}
+    # A lookup skips what is gone or not executable; a script whose interpreter is gone looks
+    # runnable, so it is found, fails and is dropped again at each step, the child deciding.
+    found_again = {} if change == "its interpreter gone" else {("apiary-test-tool", path_value): str(later)}
+    assert hashed() == found_again
 
 
 def test_a_command_installed_in_an_earlier_folder_is_found_once_the_entry_is_old(tmp_path, monkeypatch):
