@@ -61,8 +61,18 @@ def asgi_server():
 
 @pytest.fixture(scope="session", autouse=True)
 def _wakeup_watcher_stops(django_db_setup, django_db_blocker):
-    """The wake-up watcher's own connection closes before the test database is dropped."""
+    """The wake-up watcher's own connection closes before the test database is dropped, and on
+    PostgreSQL so does any other a test's threads left open (the ASGI server's, a long poll's):
+    DROP DATABASE refuses a database others are connected to."""
     yield
+    from django.db import connection
+
     from jobqueue.wakeup import watch
 
     watch.stop()
+    if connection.vendor == "postgresql":
+        with django_db_blocker.unblock(), connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
