@@ -298,16 +298,51 @@ class GroupCommitter:
 
 def _by_body(batch: list[_Call]) -> list[tuple[Callable, list[_Call]]]:
     """The batch's calls grouped by service, so that a service's calls may run together
-    (its `many`), in an order they could have run in. Calls that callers wait for were
-    made by threads blocked on them, so their order is free, with two exceptions kept in
-    place: a deferred call (its thread went on, and its next call must stay after it) and
-    a call on an attempt that an earlier call of the batch is about (a job's finish sent
-    while its log sender's last chunk still waits in line). Neither is ever moved, nor a
-    call moved across one."""
+    (its `many`), in an order they could have run in.
+
+    Deferred calls go first, in their order, a run of one service's calls together. A
+    deferred call's thread went on, so what that thread sent next was queued after it and
+    still runs after it; and it depends on no call that someone still waits for, since its
+    thread saw none of them answered. (In the embedded worker a batch's finishes would
+    otherwise be cut apart by the step history deferred between them, and each would read
+    its attempt and claim the next job alone.) A deferred call on an attempt that a waited
+    call queued before it is about is not moved: it and every call after it stay in place.
+
+    Calls that callers wait for were made by threads blocked on them, so their order is
+    free, with two exceptions kept in place: a deferred call left where it was, and a call
+    on an attempt that an earlier call of the batch is about (a job's finish sent while its
+    log sender's last chunk still waits in line). Neither is ever moved, nor a call moved
+    across one."""
+    ahead: list[_Call] = []  # the deferred calls that go first
+    waited: list[_Call] = []  # the waited calls queued before the first deferred call that stays
+    attempts: set = set()
+    rest: list[_Call] = []
+    for n, item in enumerate(batch):
+        attempt = item.kwargs.get("attempt_id")
+        if item.waiting:
+            waited.append(item)
+            if attempt is not None:
+                attempts.add(attempt)
+        elif attempt is not None and attempt in attempts:
+            rest = batch[n:]
+            break
+        else:
+            ahead.append(item)
+    groups: list[tuple[Callable, list[_Call]]] = []
+    for item in ahead:
+        if groups and groups[-1][0] is item.body:
+            groups[-1][1].append(item)
+        else:
+            groups.append((item.body, [item]))
+    return groups + _waited_by_body(waited + rest)
+
+
+def _waited_by_body(calls: list[_Call]) -> list[tuple[Callable, list[_Call]]]:
+    """_by_body's grouping of what follows the deferred calls it moved ahead."""
     groups: list[tuple[Callable, list[_Call]]] = []
     open_groups: dict[Callable, list[_Call]] = {}  # the groups since the last call kept in place
     attempts: set = set()  # the attempts the calls since then are about
-    for item in batch:
+    for item in calls:
         attempt = item.kwargs.get("attempt_id")
         if not item.waiting or (attempt is not None and attempt in attempts):
             open_groups, attempts = {}, set()

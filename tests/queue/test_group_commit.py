@@ -351,20 +351,41 @@ def test_only_services_can_be_grouped():
         GroupCommitter().call(len, obj=())
 
 
-def test_a_batch_runs_a_services_calls_together_but_never_across_a_deferred_call_or_one_on_the_same_attempt():
+def test_a_batch_runs_deferred_calls_first_then_a_services_waited_calls_together():
     from jobqueue.groupcommit import _by_body, _Call
 
     def finish(): ...
     def record(): ...
     def history(): ...
 
-    f1, r1, f2, d, f3, r2 = (
+    f1, r1, f2, d1, f3, d2, d3, r2 = (
         _Call(finish, {"n": 1}, waiting=True), _Call(record, {}, waiting=True), _Call(finish, {"n": 2}, waiting=True),
-        _Call(history, {}, waiting=False), _Call(finish, {"n": 3}, waiting=True), _Call(record, {}, waiting=True),
+        _Call(history, {"n": 1}, waiting=False), _Call(finish, {"n": 3}, waiting=True),
+        _Call(history, {"n": 2}, waiting=False), _Call(history, {"n": 3}, waiting=False), _Call(record, {}, waiting=True),
     )  # fmt: skip
-    # f3 may come from the thread that deferred d just before: it must run after d.
-    assert _by_body([f1, r1, f2, d, f3, r2]) == [(finish, [f1, f2]), (record, [r1]), (history, [d]), (finish, [f3]), (record, [r2])]
+    # f3 may come from the thread that deferred d1 just before: it runs after d1 all the same. And no
+    # deferred call can need f1, f2 or f3 before it: their callers still wait for them.
+    assert _by_body([f1, r1, f2, d1, f3, d2, d3, r2]) == [(history, [d1, d2, d3]), (finish, [f1, f2, f3]), (record, [r1, r2])]
+    # Deferred calls keep their order: only a run of one service's calls is grouped.
+    d4 = _Call(record, {}, waiting=False)
+    assert _by_body([d1, d4, d2]) == [(history, [d1]), (record, [d4]), (history, [d2])]
+
+
+def test_a_call_on_an_attempt_stays_behind_an_earlier_call_on_it_and_so_does_all_after_it():
+    from jobqueue.groupcommit import _by_body, _Call
+
+    def finish(): ...
+    def log(): ...
+    def history(): ...
+
     # A job's finish queued behind its own last log chunk stays behind it.
-    log, a1, a2 = _Call(record, {"attempt_id": 2}, waiting=True), {"attempt_id": 1}, {"attempt_id": 2}
-    g1, g2 = _Call(finish, a1, waiting=True), _Call(finish, a2, waiting=True)
-    assert _by_body([g1, log, g2]) == [(finish, [g1]), (record, [log]), (finish, [g2])]
+    chunk = _Call(log, {"attempt_id": 2}, waiting=True)
+    g1, g2 = _Call(finish, {"attempt_id": 1}, waiting=True), _Call(finish, {"attempt_id": 2}, waiting=True)
+    assert _by_body([g1, chunk, g2]) == [(finish, [g1]), (log, [chunk]), (finish, [g2])]
+    # A deferred chunk on an attempt that a waited call before it is about is not moved ahead of
+    # that call; nor is any deferred call after it (its thread may have sent both).
+    d1, late, d2 = _Call(history, {}, waiting=False), _Call(log, {"attempt_id": 1}, waiting=False), _Call(history, {}, waiting=False)
+    assert _by_body([g1, d1, late, d2, g2]) == [(history, [d1]), (finish, [g1]), (log, [late]), (history, [d2]), (finish, [g2])]
+    # On an attempt that no waited call before it is about, a deferred chunk goes first like any other.
+    other = _Call(log, {"attempt_id": 3}, waiting=False)
+    assert _by_body([g1, other, d1]) == [(log, [other]), (history, [d1]), (finish, [g1])]
