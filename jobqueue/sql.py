@@ -115,6 +115,13 @@ INSERT_EVENT = """
 INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VALUES (%s, %s, %s, %s, %s, %s)
 """
 
+
+def insert_events(rows: int) -> str:
+    """INSERT_EVENT for `rows` events in one statement: its parameters per row."""
+    return "INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VALUES " + ", ".join(
+        ["(%s, %s, %s, %s, %s, %s)"] * rows
+    )
+
 # --------------------------------------------------------------------------- enqueue
 
 # What an enqueue sets per job (jobs.job_enqueue_in); the other columns start as every new job's.
@@ -296,8 +303,7 @@ def lease(rows: int, postgres: bool) -> tuple[str, ...]:
         "UPDATE queue_job SET state = 'leased', current_attempt_id = v.column2, attempt_count = v.column3"
         f" FROM (VALUES {', '.join(['(%s, %s, %s)'] * rows)}) AS v"
         " WHERE queue_job.id = v.column1 AND queue_job.state = 'queued'",
-        "INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VALUES "
-        + ", ".join(["(%s, %s, %s, %s, %s, %s)"] * rows),
+        insert_events(rows),
     )
 
 
@@ -333,8 +339,7 @@ def succeed(rows: int, postgres: bool) -> tuple[str, ...]:
         "UPDATE queue_job SET state = 'succeeded', summary = v.column3, finished_at = %s, reason = ''"
         f" FROM (VALUES {', '.join(['(%s, %s, %s)'] * rows)}) AS v"
         " WHERE queue_job.id = v.column1 AND queue_job.state = v.column2",
-        "INSERT INTO queue_jobevent (job_id, kind, at, worker_id, attempt_id, detail) VALUES "
-        + ", ".join(["(%s, %s, %s, %s, %s, %s)"] * rows),
+        insert_events(rows),
     )
 
 

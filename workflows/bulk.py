@@ -21,7 +21,13 @@ CHUNK = 500  # rows per statement: far below either backend's limit on parameter
 
 _TASK_COLUMNS = ("source", "item_key", "generation", "title", "body", "payload", "content_hash", "created_at", "updated_at")
 _INSTANCE_COLUMNS = ("task_id", "generation", "workflow", "created_at")
-_LINK_JOB = f"UPDATE {WorkflowInstance._meta.db_table} SET job_id = %s WHERE id = %s"
+
+
+def _link_jobs(rows: int) -> str:
+    # Typed cells: PostgreSQL types a VALUES list's parameters as text, and compares no bigint to one.
+    cells = ", ".join(["(CAST(%s AS bigint), CAST(%s AS bigint))"] * rows)
+    table = WorkflowInstance._meta.db_table
+    return f"UPDATE {table} SET job_id = v.column1 FROM (VALUES {cells}) AS v WHERE {table}.id = v.column2"
 
 
 def _insert(table: str, columns: tuple[str, ...], rows: int, returning: str) -> str:
@@ -65,7 +71,9 @@ def insert_instances(instances: list[WorkflowInstance]) -> None:
 
 
 def link_jobs(instances: list[WorkflowInstance]) -> None:
-    """Set each instance's job (one statement run for every pair: bulk_update's CASE costs the
-    ORM more than the batch's inserts)."""
+    """Set each instance's job: one UPDATE … FROM (VALUES …) per chunk (bulk_update's CASE costs
+    the ORM more than the batch's inserts, and an executemany steps its statement once a row)."""
     with connection.cursor() as cursor:
-        cursor.executemany(_LINK_JOB, [(i.job_id, i.pk) for i in instances])
+        for start in range(0, len(instances), CHUNK):
+            chunk = instances[start : start + CHUNK]
+            cursor.execute(_link_jobs(len(chunk)), [p for i in chunk for p in (i.job_id, i.pk)])

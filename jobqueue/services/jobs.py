@@ -152,12 +152,13 @@ def _enqueue(rows: list[_Row], now: dt.datetime) -> list[tuple[Job, bool]]:
 
 
 def _enqueued_events(cursor, jobs: list[Job], now: dt.datetime) -> None:
-    """SQLite: the `enqueued` event of each job created: common.event's row; for many, one executemany of it."""
+    """SQLite: the `enqueued` event of each job created: common.event's row; for many, one
+    multi-row insert (an executemany steps the statement once per row)."""
     if len(jobs) == 1:
         event(cursor, job_id=jobs[0].pk, kind="enqueued", at=now)
     elif jobs:
         at, detail = sql.ts(now), sql.js({})
-        cursor.executemany(sql.INSERT_EVENT, [(job.pk, "enqueued", at, None, None, detail) for job in jobs])
+        cursor.execute(sql.insert_events(len(jobs)), [p for job in jobs for p in (job.pk, "enqueued", at, None, None, detail)])
 
 
 def _wake(cursor, created: list[tuple[Job, _Row]]) -> None:
