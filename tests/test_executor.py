@@ -201,6 +201,23 @@ def test_a_job_makes_two_directories_its_workspace_and_its_logs_which_hold_its_c
     assert workspace_file(tmp_path, 11, "checkpoint.txt").decode().strip() == str(state / "logs" / "8" / "s1.checkpoint")
 
 
+def test_a_checkpoint_file_left_by_an_earlier_step_is_gone_when_the_next_step_starts(tmp_path):
+    # The first step of a job whose logs folder is new skips the removal (the folder is empty);
+    # every later step still removes what is there.
+    ex = make_executor(
+        tmp_path,
+        'echo planted > "$(dirname "$APIARY_CHECKPOINT")/s2.checkpoint"',
+        'test ! -e "$APIARY_CHECKPOINT" && echo absent > s2.txt',
+    )
+    assert ex.run(make_claim({"id": 13, "title": "t"}, instance=9), threading.Event(), grace=GRACE).outcome == "succeeded"
+    assert workspace_file(tmp_path, 13, "s2.txt") == b"absent\n"
+    # The next attempt finds the folder there: its first step's stale checkpoint file goes too.
+    (tmp_path / ".apiary" / "logs" / "9" / "s1.checkpoint").write_text("stale")
+    ex = make_executor(tmp_path, 'test ! -e "$APIARY_CHECKPOINT" && echo absent > s1.txt')
+    assert ex.run(make_claim({"id": 13, "title": "t"}, instance=9, attempt=2), threading.Event(), grace=GRACE).outcome == "succeeded"
+    assert workspace_file(tmp_path, 13, "s1.txt") == b"absent\n"
+
+
 # --- a step that cannot be started ------------------------------------------------------------------
 
 

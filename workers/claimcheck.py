@@ -166,10 +166,31 @@ def inside(root: Path, *parts: str) -> Path:
     resolved, stays inside `root` (resolved too). PathOutside otherwise. The
     path returned is the unresolved one, as the caller would have built it."""
     for part in parts:
-        if not isinstance(part, str) or part in ("", ".", "..") or "/" in part or "\0" in part:
-            raise PathOutside(f"{_show(part)} is not a plain file or folder name")
+        _plain(part)
+    return _inside(root, parts, _look(root, parts))
+
+
+def inside_each(root: Path, parts: tuple[str, ...], names: list[str]) -> tuple[Path, list[Path]]:
+    """`inside(root, *parts)`, and `inside(that, name)` for each of `names`, by the same checks;
+    a folder that is not there is looked at once: nothing below it exists to be a symlink, so
+    its names are only checked to be plain (a job's first steps, whose logs folder is new)."""
+    for part in (*parts, *names):
+        _plain(part)
+    found = _look(root, parts)
+    folder = _inside(root, parts, found)
+    if found is _MISSING:
+        return folder, [folder / name for name in names]
+    return folder, [_inside(folder, (name,), _look(folder, (name,))) for name in names]
+
+
+def _plain(part: str) -> None:
+    if not isinstance(part, str) or part in ("", ".", "..") or "/" in part or "\0" in part:
+        raise PathOutside(f"{_show(part)} is not a plain file or folder name")
+
+
+def _inside(root: Path, parts: tuple[str, ...], found: object) -> Path:
     path = Path(root, *parts)
-    if not _a_link_among(root, parts):
+    if found is not _LINK:
         # Plain names, none a symlink: the path resolves to the resolved root with the parts
         # appended, inside it. (A stat per part, where resolving both walks every component.)
         return path
@@ -179,14 +200,19 @@ def inside(root: Path, *parts: str) -> Path:
     return path
 
 
-def _a_link_among(root: Path, parts: tuple[str, ...]) -> bool:
-    """Whether `root / part…` is a symlink for any prefix of the parts."""
+_LINK, _MISSING, _THERE = object(), object(), object()
+
+
+def _look(root: Path, parts: tuple[str, ...]) -> object:
+    """_LINK when `root / part…` is a symlink for any prefix of the parts; else _MISSING when
+    one is not there (or not searchable: nothing below it exists to be a link); else _THERE."""
     current = os.fspath(root)
     for part in parts:
         current = os.path.join(current, part)
         try:
             if stat.S_ISLNK(os.lstat(current).st_mode):
-                return True
-        except OSError:  # missing (or not searchable): nothing below it exists to be a link
-            return False
+                return _LINK
+        except OSError:
+            return _MISSING
+    return _THERE
     return False

@@ -39,6 +39,12 @@ def _narrowed(path, mode: int, chmod) -> bool:
 
 def private_dir(path: Path) -> Path:
     """`path` and any missing parents made 0700 (umask aside); an existing `path` tightened."""
+    made_private_dir(path)
+    return Path(path)
+
+
+def made_private_dir(path: Path) -> bool:
+    """private_dir's work; True when `path` was made now (so it is empty), False when it was there."""
     path = Path(path)
     try:
         # mkdir first: for a directory that exists (every step's, after the first) that is one
@@ -46,16 +52,16 @@ def private_dir(path: Path) -> Path:
         os.mkdir(path, DIR_MODE)
     except FileExistsError:
         tighten(path)
-        return path
+        return False
     except FileNotFoundError:
         private_dir(path.parent)
         try:
             os.mkdir(path, DIR_MODE)
         except FileExistsError:  # another thread made it meanwhile
             tighten(path)
-            return path
+            return False
     os.chmod(path, DIR_MODE)  # mkdir's mode passes through the umask
-    return path
+    return True
 
 
 def private_file(path: Path) -> Path:
@@ -79,12 +85,17 @@ def private_sqlite(path: Path) -> Path:
 
 def open_private(path: Path, mode: str = "ab", **kwargs):
     """`open(path, mode)` for a file that must be 0600 (logs): created so, or tightened."""
-    fd = _open_narrowed(path, os.O_CREAT | os.O_WRONLY | (os.O_APPEND if "a" in mode else os.O_TRUNC))
+    fd = open_private_fd(path, append="a" in mode)
     try:
         return os.fdopen(fd, mode, **kwargs)
     except BaseException:
         os.close(fd)
         raise
+
+
+def open_private_fd(path: Path, *, append: bool) -> int:
+    """open_private's descriptor, for writing (appending, or from empty), without a file object."""
+    return _open_narrowed(path, os.O_CREAT | os.O_WRONLY | (os.O_APPEND if append else os.O_TRUNC))
 
 
 def write_private(path: Path, data: bytes) -> None:

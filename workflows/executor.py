@@ -22,7 +22,7 @@ from typing import Protocol
 from jobqueue.text import clean
 from jobqueue.types import CHECKPOINT_PREFIX, Claim
 from workers import private
-from workers.claimcheck import PathOutside, inside
+from workers.claimcheck import PathOutside, inside, inside_each
 from workers.executor import Outcome
 from workers.journal import Checkpoint, Journal, JournalError
 from workers.pgroups import ProcessGroups
@@ -68,7 +68,7 @@ def task_environment(
     cannot be encoded) becomes U+FFFD, and APIARY_TASK_TITLE, _BODY, _PAYLOAD
     (JSON) and _ITEM_KEY are cut to TASK_TEXT_CAP bytes at a character
     boundary, ending with a note saying so. APIARY_TASK_FILE names a JSON file
-    with the whole task, unchanged and uncut (`task_file_write`); read it when
+    with the whole task, unchanged and uncut (`task_file_bytes`); read it when
     the text may be long: `jq -r .body "$APIARY_TASK_FILE"`. `task` is job.task cleaned so
     (`clean`), once for this and the step templates."""
     env = {
@@ -90,14 +90,13 @@ def task_environment(
     return _safe(env)
 
 
-def task_file_write(task: dict, path: Path) -> None:
+def task_file_bytes(task: dict) -> bytes:
     """The whole task as JSON, for APIARY_TASK_FILE. A lone surrogate is
     written as its JSON escape (\\udXXX), so the file is always valid UTF-8 JSON. One line, not
     indented: the json module's C encoder writes only that (with `indent` it is pure Python,
     three times as slow), and jq or any reader takes both alike."""
-    private.private_dir(path.parent)
     text = json.dumps(task, ensure_ascii=False, default=str)
-    private.write_private(path, (text + "\n").encode("utf-8", errors="backslashreplace"))
+    return (text + "\n").encode("utf-8", errors="backslashreplace")
 
 
 def _capped(text: str, *, whole: str = "$APIARY_TASK_FILE") -> str:
@@ -175,19 +174,25 @@ class Executor:
         try:
             # Claim data makes these paths: none may resolve outside the state directory (symlinks too).
             workspace = inside(state, "workspaces", str(job.task["id"]))
-            logs = inside(state, "logs", str(job.instance_id))
-            task_file = inside(logs, f"task-{_file_name(prefix)}{claim.attempt_number}.json")
-            step_logs = {step.id: inside(logs, f"{_file_name(prefix + step.id)}.log") for step in steps}
-            # Per instance (two workflows of a task share its workspace) and outside the workspace (a git
-            # checkout there would see it as untracked): beside the instance's logs, since a directory
-            # of their own would be one more inode a job, and on a file system without a journal
-            # (ext4 without one skips inodes freed in the last minutes: bench/README.md) a new inode is costly.
-            checkpoints = {step.id: inside(logs, f"{_file_name(prefix + step.id)}.checkpoint") for step in steps}
+            # Checkpoints are per instance (two workflows of a task share its workspace) and outside the
+            # workspace (a git checkout there would see them as untracked): beside the instance's logs,
+            # since a directory of their own would be one more inode a job, and on a file system without
+            # a journal (ext4 without one skips inodes freed in the last minutes: bench/README.md) a new
+            # inode is costly.
+            names = [
+                f"task-{_file_name(prefix)}{claim.attempt_number}.json",
+                *(f"{_file_name(prefix + step.id)}.log" for step in steps),
+                *(f"{_file_name(prefix + step.id)}.checkpoint" for step in steps),
+            ]
+            logs, (task_file, *files) = inside_each(state, ("logs", str(job.instance_id)), names)
+            step_logs = dict(zip((step.id for step in steps), files[: len(steps)], strict=True))
+            checkpoints = dict(zip((step.id for step in steps), files[len(steps) :], strict=True))
         except PathOutside as exc:
             return Outcome("failed", {}, f"job {claim.job_id}: refused a path from its claim: {exc}")
         workspace.mkdir(parents=True, exist_ok=True)
         try:
-            task_file_write(job.task, task_file)
+            new_logs = private.made_private_dir(logs)
+            private.write_private(task_file, task_file_bytes(job.task))
         except OSError as exc:
             return Outcome("failed", {}, f"cannot write the task file {task_file}: {exc}")
         task = clean(dict(job.task))
@@ -204,7 +209,7 @@ class Executor:
         outcome, error = "succeeded", None
         run = _Run(
             claim=claim, job=job, journal=journal, workspace=workspace, records={}, cancel=cancel, grace=grace,
-            agent=agent, base_env=base_env, context=context, summary=steps_summary,
+            agent=agent, base_env=base_env, context=context, summary=steps_summary, new_logs=new_logs,
         )
         try:
             if journal is not None and claim.attempt_number > 1:
@@ -376,7 +381,11 @@ class Executor:
     def _checkpoint_prepared(self, run: "_Run", step: StepConfig, path: Path) -> dict[str, str]:
         """APIARY_CHECKPOINT (and APIARY_RESUMED=1 when the journal had content for it): the file
         is pre-filled from the journal's `checkpoint:<id>`, or absent; heartbeats send its content."""
-        private.private_dir(path.parent)
+        # The folder made for this run holds nothing before its first step starts: no folder to
+        # make again, no file left by an earlier run to remove.
+        fresh, run.new_logs = run.new_logs, False
+        if not fresh:
+            private.private_dir(path.parent)
         record = run.records.get(CHECKPOINT_PREFIX + step.id)
         content = record.value.get("content") if record is not None else None
         if record is not None and any(
@@ -393,7 +402,7 @@ class Executor:
             env["APIARY_RESUMED"] = "1"
             if run.journal is not None:
                 run.journal.checkpoint_sent((step.id, content))  # the control plane has it already
-        else:
+        elif not fresh:
             path.unlink(missing_ok=True)
         return env
 
@@ -477,6 +486,7 @@ class _Run:
     summary: list
     run_index: int = 0  # effects.run_of: the run this attempt belongs to
     resuming: bool = True  # no step has run yet in this attempt: recorded ones may still be skipped
+    new_logs: bool = False  # the logs folder was made for this run and no step has started: it is empty
 
 
 def _file_name(step_id: str) -> str:

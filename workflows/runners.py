@@ -30,6 +30,7 @@ SIGTERM, then SIGKILL after a grace period.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import selectors
@@ -201,7 +202,7 @@ def _start(argv: list[str], *, cwd: Path, env: dict[str, str], stdin: bool) -> s
     options = {
         "cwd": cwd,
         "env": env,
-        "stdin": subprocess.PIPE if stdin else subprocess.DEVNULL,
+        "stdin": subprocess.PIPE if stdin else _devnull(),
         "stdout": subprocess.PIPE,
         "stderr": subprocess.PIPE,
         # No preexec_fn, and start_new_session rather than one: CPython then starts the child
@@ -237,14 +238,42 @@ def _looked_up(name: str, path: str) -> str | None:
     return found
 
 
-def _open_log(log_path: Path):
+def _open_log(log_path: Path) -> _Log:
     """The step log, opened to append; its folder made (0700) only when missing: the executor
-    already made it private for the job (task_file_write), so an existing one costs no mkdir."""
+    already made it private for the job, so an existing one costs no mkdir."""
     try:
-        return private.open_private(log_path, "ab", buffering=0)
+        return _Log(private.open_private_fd(log_path, append=True))
     except FileNotFoundError:
         private.private_dir(log_path.parent)
-        return private.open_private(log_path, "ab", buffering=0)
+        return _Log(private.open_private_fd(log_path, append=True))
+
+
+class _Log:
+    """The step log written by its descriptor (O_APPEND): a file object would cost an fstat
+    and a seek to set up for every step, and buffers nothing here."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    def __enter__(self) -> _Log:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
+@functools.cache
+def _devnull() -> int:
+    """/dev/null, opened once for the stdin of every step that gets no prompt (Popen's DEVNULL
+    opens and closes it for each). Two first steps at once may both open it; one stays open."""
+    return os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
 
 
 def _watch(proc: subprocess.Popen, output: _Output, cancel: threading.Event, deadline: float | None) -> str | None:

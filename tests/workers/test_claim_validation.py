@@ -5,6 +5,7 @@ that resolves outside its state directory."""
 
 import json
 import logging
+import os
 import re
 import threading
 
@@ -15,7 +16,7 @@ from tests.test_executor import GRACE, make_claim, make_executor
 from tests.test_http_transport import GOOD_JOB, Scripted, server, transport  # noqa: F401 - server is a fixture
 from tests.workers.test_claim_backoff import ScriptedTransport, run_until, runtime_of
 from workers import claimcheck
-from workers.claimcheck import PathOutside, inside
+from workers.claimcheck import PathOutside, inside, inside_each
 
 # (an override of a good job, the field its refusal names)
 BAD_FIELDS = [
@@ -132,7 +133,27 @@ def test_a_path_through_a_symlink_that_stays_in_the_state_directory_is_accepted(
         inside(state, "workspaces", "8", "x")
 
 
-@pytest.mark.parametrize("linked", ["workspaces/7", "logs/5", "logs"])
+def test_names_in_a_folder_are_checked_like_inside_and_looked_at_only_when_the_folder_is_there(tmp_path, monkeypatch):
+    state, elsewhere = tmp_path / "state", tmp_path / "elsewhere"
+    (state / "logs").mkdir(parents=True)
+    elsewhere.mkdir()
+    with pytest.raises(PathOutside, match="not a plain"):
+        inside_each(state, ("logs", "5"), ["a.log", "../x"])
+    looked = []
+    real_lstat = os.lstat
+    monkeypatch.setattr(claimcheck.os, "lstat", lambda path: (looked.append(os.fspath(path)), real_lstat(path))[1])
+    # logs/5 is not there: nothing below it can be a link, so its names are not looked at.
+    assert inside_each(state, ("logs", "5"), ["a.log", "b.json"]) == (state / "logs" / "5", [state / "logs" / "5" / "a.log", state / "logs" / "5" / "b.json"])
+    assert looked == [str(state / "logs"), str(state / "logs" / "5")]
+    # There, each name is looked at, and one that leads outside is refused as inside() refuses it.
+    (state / "logs" / "5").mkdir()
+    (state / "logs" / "5" / "b.json").symlink_to(elsewhere / "b.json")
+    assert inside_each(state, ("logs", "5"), ["a.log"])[1] == [state / "logs" / "5" / "a.log"]
+    with pytest.raises(PathOutside, match="resolves outside"):
+        inside_each(state, ("logs", "5"), ["a.log", "b.json"])
+
+
+@pytest.mark.parametrize("linked", ["workspaces/7", "logs/5", "logs", "logs/5/s1.log", "logs/5/task-1.json"])
 def test_the_executor_runs_nothing_where_a_claim_path_leads_outside_its_state_directory(tmp_path, linked):
     executor = make_executor(tmp_path, "touch ran-here; echo x > \"$APIARY_TASK_FILE.copy\"")
     state, elsewhere = executor.config.state_dir, tmp_path / "elsewhere"
