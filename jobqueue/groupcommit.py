@@ -334,11 +334,12 @@ def _by_body(batch: list[_Call]) -> list[tuple[Callable, list[_Call]]]:
             groups[-1][1].append(item)
         else:
             groups.append((item.body, [item]))
-    return groups + _waited_by_body(waited + rest)
+    return groups + _in_place_by_body(waited + rest)
 
 
-def _waited_by_body(calls: list[_Call]) -> list[tuple[Callable, list[_Call]]]:
-    """_by_body's grouping of what follows the deferred calls it moved ahead."""
+def _in_place_by_body(calls: list[_Call]) -> list[tuple[Callable, list[_Call]]]:
+    """_by_body's grouping of what follows the deferred calls it moved ahead: waited calls, and
+    any deferred call left in place (which nothing is moved across)."""
     groups: list[tuple[Callable, list[_Call]]] = []
     open_groups: dict[Callable, list[_Call]] = {}  # the groups since the last call kept in place
     attempts: set = set()  # the attempts the calls since then are about

@@ -122,6 +122,7 @@ def insert_events(rows: int) -> str:
         ["(%s, %s, %s, %s, %s, %s)"] * rows
     )
 
+
 # --------------------------------------------------------------------------- enqueue
 
 # What an enqueue sets per job (jobs.job_enqueue_in); the other columns start as every new job's.

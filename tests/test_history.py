@@ -73,17 +73,17 @@ _writes = st.lists(
 )
 
 
-def _call(instance_id: int, kind: str, key: int, n: int) -> dict:
+def _call(instance: int, kind: str, key: int, n: int) -> dict:
     number, step = _KEYS[key]
     at = sql.ts(STARTED + dt.timedelta(seconds=n))
     if kind == "started":
-        return {"statement": history._STARTED, "params": (instance_id, number, step, f"w{n}", at, f"/l/{n}.log")}
-    return {"statement": history._FINISHED, "params": (["failed", "succeeded"][n % 2], at, n, f"tail {n}", instance_id, number, step)}
+        return {"statement": history._STARTED, "params": (instance, number, step, f"w{n}", at, f"/l/{n}.log")}
+    return {"statement": history._FINISHED, "params": (["failed", "succeeded"][n % 2], at, n, f"tail {n}", instance, number, step)}
 
 
-def _rows(instance_id: int) -> list[tuple]:
+def _rows(instance: int) -> list[tuple]:
     return list(
-        StepRun.objects.filter(instance_id=instance_id)
+        StepRun.objects.filter(instance_id=instance)
         .order_by("attempt_number", "step_id")
         .values_list("attempt_number", "step_id", "status", "worker_id", "started_at", "log_path", "ended_at", "exit_code", "output_tail")
     )
@@ -99,6 +99,7 @@ def two_instances():
 @given(before=_writes, batch=_writes)
 def test_a_batch_of_history_writes_leaves_what_they_leave_one_by_one(two_instances, before, batch):
     one_by_one, together = two_instances
+    StepRun.objects.filter(instance_id__in=two_instances).delete()  # an example before (a failed one too) left rows
     for instance, calls in ((one_by_one, before), (together, before)):  # the same rows there before the batch
         for kind, key, n in calls:
             history._write(**_call(instance, kind, key, n))
@@ -107,7 +108,6 @@ def test_a_batch_of_history_writes_leaves_what_they_leave_one_by_one(two_instanc
     answers = history._write_many([_call(together, kind, key, n) for kind, key, n in batch])
     assert answers == [(None, None)] * len(batch)
     assert _rows(together) == _rows(one_by_one)
-    StepRun.objects.filter(instance_id__in=two_instances).delete()
 
 
 def test_a_batch_writes_a_step_started_and_finished_in_it_as_one_row_and_the_other_starts_in_one_statement():

@@ -79,7 +79,7 @@ def test_a_step_log_is_private(tmp_path):
 
 def test_a_jobs_wide_log_folder_task_file_and_step_log_are_tightened_with_warnings(tmp_path, caplog):
     # run_step makes only a missing log folder: an existing one is the executor's to tighten, once
-    # per job (task_file_write), and each file by the descriptor it was opened with.
+    # per job (made_private_dir in Executor.run), and each file by the descriptor it was opened with.
     from tests.test_executor import GRACE, make_claim, make_executor
 
     ex = make_executor(tmp_path, "echo out")

@@ -215,4 +215,3 @@ def _look(root: Path, parts: tuple[str, ...]) -> object:
         except OSError:
             return _MISSING
     return _THERE
-    return False

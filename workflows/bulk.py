@@ -24,7 +24,8 @@ _INSTANCE_COLUMNS = ("task_id", "generation", "workflow", "created_at")
 
 
 def _link_jobs(rows: int) -> str:
-    # Typed cells: PostgreSQL types a VALUES list's parameters as text, and compares no bigint to one.
+    # Typed cells, as sql.lease's: a VALUES list's cells take no type from the table they update
+    # (on PostgreSQL a parameter bound on the server would be text, which equals no bigint).
     cells = ", ".join(["(CAST(%s AS bigint), CAST(%s AS bigint))"] * rows)
     table = WorkflowInstance._meta.db_table
     return f"UPDATE {table} SET job_id = v.column1 FROM (VALUES {cells}) AS v WHERE {table}.id = v.column2"

@@ -272,8 +272,9 @@ class _Log:
 @functools.cache
 def _devnull() -> int:
     """/dev/null, opened once for the stdin of every step that gets no prompt (Popen's DEVNULL
-    opens and closes it for each). Two first steps at once may both open it; one stays open."""
-    return os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    opens and closes it for each). Two first steps at once may both open it: the one not cached
+    then stays open, unused (one descriptor, once)."""
+    return os.open(os.devnull, os.O_RDWR)  # not inherited: Python opens descriptors close-on-exec
 
 
 def _watch(proc: subprocess.Popen, output: _Output, cancel: threading.Event, deadline: float | None) -> str | None:

@@ -153,7 +153,7 @@ def test_names_in_a_folder_are_checked_like_inside_and_looked_at_only_when_the_f
         inside_each(state, ("logs", "5"), ["a.log", "b.json"])
 
 
-@pytest.mark.parametrize("linked", ["workspaces/7", "logs/5", "logs", "logs/5/s1.log", "logs/5/task-1.json"])
+@pytest.mark.parametrize("linked", ["workspaces/7", "logs/5", "logs", "logs/5/s1.log", "logs/5/task-1.json", "logs/5/s1.checkpoint"])
 def test_the_executor_runs_nothing_where_a_claim_path_leads_outside_its_state_directory(tmp_path, linked):
     executor = make_executor(tmp_path, "touch ran-here; echo x > \"$APIARY_TASK_FILE.copy\"")
     state, elsewhere = executor.config.state_dir, tmp_path / "elsewhere"
