@@ -31,6 +31,7 @@ class _Row:
     labels: list[str]
     capabilities: list[str]
     digest: str  # of its class: RequirementSet.digest_of
+    payload_text: str  # the payload as stored (sql.js): encoded once, checked for what clean replaces
 
     @property
     def key(self) -> str:
@@ -38,7 +39,10 @@ class _Row:
 
     def params(self) -> list:
         c = self.columns
-        return [_json(c[name]) if name in _JSON else c[name] for name in sql.JOB_INSERT_COLUMNS] + [self.digest]
+        return [
+            self.payload_text if name == "payload" else _json(c[name]) if name == "follow_ups" else c[name]
+            for name in sql.JOB_INSERT_COLUMNS
+        ] + [self.digest]
 
     def job(self, pk: int, requirements_id: int, now: dt.datetime) -> Job:
         """The Job as the insert wrote it, without reading it back."""
@@ -47,7 +51,6 @@ class _Row:
         return Job.from_db(connection.alias, _JOB_FIELDS, [fields[name] for name in _JOB_FIELDS])
 
 
-_JSON = frozenset({"payload", "follow_ups"})  # stored as JSON text
 # Every column of a new job that an enqueue does not set, as the insert writes it.
 _NEW_JOB = {"state": JobState.QUEUED, "attempt_count": 0, "retried_through": 0, "summary": {}, "reason": "",
             "cancel_requested_at": None, "current_attempt_id": None, "finished_at": None}  # fmt: skip
@@ -83,15 +86,19 @@ def _row(
         raise InvalidRequest(f"payload keys {sorted(clashing)} are the queue's own", field="payload")
     retry = retry or Retry()
     pool, labels, capabilities = pool or None, sorted(set(labels)), sorted(set(capabilities))
+    payload_text = _json(payload)
+    if "\\u0000" in payload_text or "\\ud" in payload_text:  # what clean replaces may be in it (sql.js)
+        payload = clean(payload)
+        payload_text = _json(payload)
     columns = {
-        "key": key, "payload": clean(payload), "project": project, "source": source, "agent": agent,
+        "key": key, "payload": payload, "project": project, "source": source, "agent": agent,
         "runner": runner, "pool": pool, "affinity_key": affinity_key, "priority": priority,
         "max_attempts": max_attempts or conf.current().max_attempts, "retry_max_attempts": retry.max_attempts,
         "retry_backoff": retry.backoff, "retry_backoff_max": retry.backoff_max,
         "follow_ups": checked_follow_ups(follow_ups),
     }  # fmt: skip
     digest = RequirementSet.digest_of(pool, labels, capabilities, (project, source, agent, runner))
-    return _Row(columns=columns, labels=labels, capabilities=capabilities, digest=digest)
+    return _Row(columns=columns, labels=labels, capabilities=capabilities, digest=digest, payload_text=payload_text)
 
 
 def _requirement_set(row: _Row) -> None:
