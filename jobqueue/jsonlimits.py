@@ -70,19 +70,31 @@ def depth(value: Any) -> int:
     return deepest
 
 
-def check(value: Any, *, max_depth: int = MAX_DEPTH, max_bytes: int | None = None) -> None:
+def check(value: Any, *, max_depth: int = MAX_DEPTH, max_bytes: int | None = None) -> str:
     """JSONLimitError when `value` nests deeper than `max_depth`, holds a float
-    JSON cannot write, or encodes to more than `max_bytes` of JSON."""
-    levels = depth(value)
-    if levels > max_depth:
-        raise JSONLimitError(f"nested {levels} levels deep, more than the limit of {max_depth}")
+    JSON cannot write, or encodes to more than `max_bytes` of JSON; else its JSON
+    text (not ASCII-escaped: a NUL shows as `\\u0000`, a lone surrogate as itself)."""
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-    except ValueError:
+    except (ValueError, TypeError, RecursionError) as exc:
+        _within(value, max_depth)  # the depth is what such a value is refused for first
+        if isinstance(exc, TypeError):
+            raise JSONLimitError(f"not JSON: {exc}") from None
+        if isinstance(exc, RecursionError):
+            raise
         raise JSONLimitError("holds NaN or Infinity, which JSON does not have") from None
-    except TypeError as exc:
-        raise JSONLimitError(f"not JSON: {exc}") from None
+    # Every list and object writes one opening bracket (a bracket in a string only adds to the
+    # count), so a text with no more of them than the limit nests no deeper: no walk needed.
+    if text.count("[") + text.count("{") > max_depth:
+        _within(value, max_depth)
     if max_bytes is not None:
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > max_bytes:
             raise JSONLimitError(f"{size} bytes of JSON, more than the limit of {max_bytes}")
+    return text
+
+
+def _within(value: Any, max_depth: int) -> None:
+    levels = depth(value)
+    if levels > max_depth:
+        raise JSONLimitError(f"nested {levels} levels deep, more than the limit of {max_depth}")

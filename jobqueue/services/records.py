@@ -47,6 +47,7 @@ MAX_KEY = MAX_RECORD_KEY
 MAX_VALUE_BYTES = MAX_RECORD_VALUE_BYTES
 _STEP_RE = re.compile(WORKER_ID_PATTERN + r"\Z")
 _STATES = frozenset(RecordState.values)  # Choices.values builds a new list at each look
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _of(row: JobRecord, *, already_done: bool = False) -> Record:
@@ -63,10 +64,11 @@ def _checked(key: str, state: str, value: dict | None) -> dict:
     if not isinstance(value, dict):
         raise InvalidRequest(f"value must be a JSON object, got {type(value).__name__}", field="value")
     try:
-        jsonlimits.check(value, max_bytes=MAX_VALUE_BYTES)
+        text = jsonlimits.check(value, max_bytes=MAX_VALUE_BYTES)
     except jsonlimits.JSONLimitError as exc:
         raise InvalidRequest(f"value must be JSON of at most {MAX_VALUE_BYTES} bytes: {exc}", field="value") from None
-    return clean(value)  # NUL and lone surrogates: PostgreSQL's jsonb refuses them
+    # NUL and lone surrogates: PostgreSQL's jsonb refuses them. The text shows whether there are any.
+    return clean(value) if "\\u0000" in text or _SURROGATE.search(text) else value
 
 
 def key_kind(key: str) -> str:
