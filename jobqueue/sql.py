@@ -406,15 +406,21 @@ def _prepared_class():
 
 
 def js(value) -> str:
-    """`value` as JSON text that both backends store: NUL and lone surrogates as U+FFFD (clean).
-    Encoded first as it is: its ASCII-only text shows either as an escape (`\\u0000`,
-    `\\udXXX`), so only a value that may hold one is walked by clean and encoded again. The
-    test is loose (an emoji's surrogate pair, Hangul at U+D000–U+D7FF and a backslash before
-    `ud` pass it too): such text costs the walk, as every value did before."""
+    """`value` as JSON text that both backends store: NUL and lone surrogates as U+FFFD (clean)."""
+    return encoded(value)[1]
+
+
+def encoded(value) -> tuple[object, str]:
+    """`value` as both backends store it (clean's, or `value` itself when it holds nothing clean
+    replaces) and its JSON text. Encoded first as it is: its ASCII-only text shows either as an
+    escape (`\\u0000`, `\\udXXX`), so only a value that may hold one is walked by clean and
+    encoded again. The test is loose (an emoji's surrogate pair, Hangul at U+D000–U+D7FF and a
+    backslash before `ud` pass it too): such text costs the walk, as every value did before."""
     text = json.dumps(value, separators=(",", ":"))
     if "\\u0000" in text or "\\ud" in text:
-        return json.dumps(clean(value), separators=(",", ":"))
-    return text
+        value = clean(value)
+        return value, json.dumps(value, separators=(",", ":"))
+    return value, text
 
 
 def from_js(value):

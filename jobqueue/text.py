@@ -26,6 +26,12 @@ def clean(value):
     return value
 
 
+def has_unstorable(text: str) -> bool:
+    """Whether `text` holds what clean replaces (a JSON text written with ensure_ascii=False
+    shows a NUL as the escape `\\u0000` instead, and a lone surrogate as itself)."""
+    return _UNSTORABLE.search(text) is not None
+
+
 # C0 controls but tab, DEL, C1 controls, and the Unicode line and paragraph separators: each could
 # end a log line early (\n, \r, NEL, U+2028), rewrite what a terminal shows (ESC sequences,
 # backspace) or hide text. A tab is kept: it cannot start a line.

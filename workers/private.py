@@ -103,11 +103,16 @@ def write_private(path: Path, data: bytes) -> None:
     without the file objects (and their isatty and seek calls) that a file written whole needs not."""
     fd = _open_narrowed(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """All of `data` to the descriptor (a write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _open_narrowed(path: Path, flags: int) -> int:

@@ -258,9 +258,7 @@ class _Log:
         self.fd = fd
 
     def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view) :]
+        private.write_all(self.fd, data)
 
     def __enter__(self) -> _Log:
         return self

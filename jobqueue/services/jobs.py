@@ -12,7 +12,6 @@ from .. import conf, sql
 from ..clock import Clock
 from ..exceptions import InvalidRequest, NotFound, Unavailable
 from ..models import Job, JobState, RequirementSet
-from ..text import clean
 from ..types import CLAIM_FIELDS, Retry
 from ..wakeup import Wake, notifier
 from ..wakeup.emit import CHANNEL, emit, head_and_needs
@@ -86,10 +85,7 @@ def _row(
         raise InvalidRequest(f"payload keys {sorted(clashing)} are the queue's own", field="payload")
     retry = retry or Retry()
     pool, labels, capabilities = pool or None, sorted(set(labels)), sorted(set(capabilities))
-    payload_text = _json(payload)
-    if "\\u0000" in payload_text or "\\ud" in payload_text:  # what clean replaces may be in it (sql.js)
-        payload = clean(payload)
-        payload_text = _json(payload)
+    payload, payload_text = sql.encoded(payload)  # encoded once, cleaned only when it must be
     columns = {
         "key": key, "payload": payload, "project": project, "source": source, "agent": agent,
         "runner": runner, "pool": pool, "affinity_key": affinity_key, "priority": priority,

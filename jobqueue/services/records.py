@@ -29,7 +29,7 @@ from ..clock import Clock
 from ..exceptions import InvalidRequest
 from ..metrics import timed_heartbeat
 from ..models import JobRecord, RecordState
-from ..text import clean
+from ..text import clean, has_unstorable
 from ..types import (
     CHECKPOINT_PREFIX,
     MAX_CHECKPOINT_BYTES,
@@ -47,7 +47,6 @@ MAX_KEY = MAX_RECORD_KEY
 MAX_VALUE_BYTES = MAX_RECORD_VALUE_BYTES
 _STEP_RE = re.compile(WORKER_ID_PATTERN + r"\Z")
 _STATES = frozenset(RecordState.values)  # Choices.values builds a new list at each look
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _of(row: JobRecord, *, already_done: bool = False) -> Record:
@@ -68,7 +67,7 @@ def _checked(key: str, state: str, value: dict | None) -> dict:
     except jsonlimits.JSONLimitError as exc:
         raise InvalidRequest(f"value must be JSON of at most {MAX_VALUE_BYTES} bytes: {exc}", field="value") from None
     # NUL and lone surrogates: PostgreSQL's jsonb refuses them. The text shows whether there are any.
-    return clean(value) if "\\u0000" in text or _SURROGATE.search(text) else value
+    return clean(value) if "\\u0000" in text or has_unstorable(text) else value
 
 
 def key_kind(key: str) -> str:
