@@ -14,7 +14,7 @@ from ..exceptions import InvalidRequest, NotFound, Unavailable
 from ..models import Job, JobState, RequirementSet
 from ..types import CLAIM_FIELDS, Retry
 from ..wakeup import Wake, notifier
-from ..wakeup.emit import CHANNEL, emit, head_and_needs
+from ..wakeup.emit import CHANNEL, emit, head_and_needs, write_row
 from .common import actor_of, event, now_of, postgres, service
 from .followups import checked_follow_ups
 from .transitions import checked, job_move
@@ -35,6 +35,11 @@ class _Row:
     @property
     def key(self) -> str:
         return self.columns["key"]
+
+    @property
+    def needs(self) -> tuple:
+        """What a worker needs to claim the job (a Wake's `needs`)."""
+        return self.columns["pool"], frozenset(self.labels), frozenset(self.capabilities)
 
     def params(self) -> list:
         c = self.columns
@@ -175,7 +180,7 @@ def _wake(cursor, created: list[tuple[Job, _Row]]) -> None:
     needs = {}
     for job, row in created:
         counts[job.requirements_id, pins.get(job.affinity_key)] += 1
-        needs[job.requirements_id] = (job.pool, frozenset(row.labels), frozenset(row.capabilities))
+        needs[job.requirements_id] = row.needs
     for (requirements_id, worker_id), count in counts.items():
         emit(cursor, Wake(requirements=requirements_id, worker_id=worker_id, count=count, needs=needs[requirements_id]))
 
@@ -227,15 +232,15 @@ def job_enqueue(*, clock: Clock | None = None, **spec) -> tuple[Job, bool]:
     """job_enqueue_in as a service of its own: committed when it returns, before any claim
     can see the job.
 
-    On PostgreSQL a new job of a class already known, without an affinity key, is one
-    statement outside any transaction of ours: the job, its event and its wake (NOTIFY),
-    atomic and committed as one, in one round trip where BEGIN … COMMIT costs four. A key
-    already queued answers its job; a class not seen before takes the transaction."""
-    if postgres() and not connection.in_atomic_block:
+    Outside any transaction, a new job of a class already known and without an affinity
+    key takes a shorter way, with the same rows and the same single commit: on PostgreSQL
+    one statement (_enqueue_alone), on SQLite a transaction of its own (_enqueue_alone_sqlite).
+    A key already queued answers its job; a class not seen before takes the service."""
+    if not connection.in_atomic_block and connection.get_autocommit():
         row = _row(**spec)
         if row.columns["affinity_key"] is None:
             try:
-                done = _enqueue_alone(row, now_of(clock))
+                done = (_enqueue_alone if postgres() else _enqueue_alone_sqlite)(row, now_of(clock))
             except OperationalError as exc:
                 raise Unavailable.of(exc) from exc
             if done is not None:
@@ -247,19 +252,57 @@ job_enqueue.body = job_enqueue_in  # a group commit's batch runs it as the plain
 
 
 def _enqueue_alone(row: _Row, now: dt.datetime) -> tuple[Job, bool] | None:
-    """PostgreSQL, in autocommit: `row` inserted with its event and its wake in one statement.
+    """PostgreSQL, in autocommit: `row` inserted with its event and its wake in one statement,
+    atomic and committed as one, in one round trip where BEGIN … COMMIT costs four.
     (job, created); None when its class does not exist yet (nothing was written)."""
-    wake = Wake(requirements=None, needs=(row.columns["pool"], frozenset(row.labels), frozenset(row.capabilities)))
+    wake = Wake(requirements=None, needs=row.needs)
     at = sql.ts(now)
     with sql.prepared_cursor() as cursor:
         cursor.execute(sql.insert_jobs(1, True, notify=True), [*row.params(), at, at, at, CHANNEL, *head_and_needs(wake)])
         inserted = cursor.fetchall()
     if not inserted:
-        existing = _existing([row.key])
-        return (existing[row.key], False) if row.key in existing else None
+        return _already(row)
     pk, _key, requirements_id, _notified = inserted[0]
     notifier.publish(dataclasses.replace(wake, requirements=requirements_id))  # this process's waiters
     return row.job(pk, requirements_id, now), True
+
+
+def _enqueue_alone_sqlite(row: _Row, now: dt.datetime) -> tuple[Job, bool] | None:
+    """SQLite, in autocommit: `row` inserted with its event and its wake between a BEGIN
+    IMMEDIATE and a COMMIT of its own, on Django's cursor (so its error mapping and execute
+    wrappers see every statement). It is the transaction transaction.atomic would open,
+    without atomic's bookkeeping (savepoint state, on-commit hooks, durability and thread
+    checks), which is about a fifth of a one-row enqueue's CPU. Nothing inside needs it:
+    the statements are these four, and this process's waiters hear the wake after the COMMIT,
+    as emit's on-commit hook would tell them. (job, created); None when its class does not
+    exist yet (nothing was written)."""
+    at = sql.ts(now)
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN IMMEDIATE")  # the write lock at once, as settings' transaction_mode takes it
+        try:
+            cursor.execute(sql.insert_jobs(1, False), [*row.params(), at, at])
+            inserted = cursor.fetchone()
+            if inserted is not None:
+                pk, _key, requirements_id = inserted
+                event(cursor, job_id=pk, kind="enqueued", at=now)
+                wake = Wake(requirements=requirements_id, needs=row.needs)
+                write_row(cursor, wake)
+            cursor.execute("COMMIT")
+        except BaseException:
+            if connection.connection.in_transaction:  # not when BEGIN or COMMIT ended it
+                connection.connection.rollback()
+            raise
+    if inserted is None:
+        return _already(row)
+    notifier.publish(wake)  # this process's waiters
+    return row.job(pk, requirements_id, now), True
+
+
+def _already(row: _Row) -> tuple[Job, bool] | None:
+    """After an insert that wrote nothing: the job already queued under `row`'s key, or None
+    (its class does not exist yet)."""
+    existing = _existing([row.key])
+    return (existing[row.key], False) if row.key in existing else None
 
 
 def _cancel(job: Job, now: dt.datetime, reason: str, actor: str | None = None) -> Job:

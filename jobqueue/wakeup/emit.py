@@ -69,9 +69,16 @@ def emit(cursor, wake: Wake) -> None:
     if sql.postgres():
         cursor.execute(sql.NOTIFY, [CHANNEL, encode(wake)])
     else:
-        cursor.execute(sql.INSERT_WAKEUP, [encode(wake)])
-        row_id = cursor.lastrowid
-        if row_id and row_id % PRUNE_EVERY == 0:
-            cursor.execute(sql.PRUNE_WAKEUPS, [row_id - KEEP])
+        write_row(cursor, wake)
     # robust: the service has committed; a failure to wake anyone here is the fallback's to mend.
     transaction.on_commit(lambda: notifier.publish(wake), robust=True)
+
+
+def write_row(cursor, wake: Wake) -> None:
+    """SQLite: `wake`'s row for the other processes' watchers, in the caller's transaction.
+    This process's waiters hear it only from notifier.publish, which the caller runs after
+    its commit (emit's on_commit, or a transaction of the caller's own)."""
+    cursor.execute(sql.INSERT_WAKEUP, [encode(wake)])
+    row_id = cursor.lastrowid
+    if row_id and row_id % PRUNE_EVERY == 0:
+        cursor.execute(sql.PRUNE_WAKEUPS, [row_id - KEEP])
