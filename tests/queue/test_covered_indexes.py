@@ -4,7 +4,8 @@ claim, finish, event, record, log stream, step run or instance. Nor has the job'
 (queue 0011), whose look-ups are all of queued jobs: one write fewer per enqueue. An
 event's attempt is indexed only where it has one (queue 0012), and a lookup by an attempt
 still uses that index; a job's current attempt is unique only where it is set (queue 0013),
-which still refuses one attempt for two jobs. Read from the database itself, so a migration that names the wrong
+which still refuses one attempt for two jobs; an event's time is indexed only for the events
+that settle a job (queue 0014), and the dashboard's one lookup by time reads that index. Read from the database itself, so a migration that names the wrong
 index fails here."""
 
 import re
@@ -12,7 +13,9 @@ import re
 import pytest
 from django.db import IntegrityError, connection, transaction
 
-from jobqueue.models import Job
+from jobqueue import services
+from jobqueue.models import Job, JobEvent
+from jobqueue.selectors.dashboard import outcomes_per_minute
 from tests.factories import claim, enqueue, register
 
 pytestmark = pytest.mark.django_db
@@ -83,3 +86,32 @@ def test_a_jobs_current_attempt_is_unique_where_set_and_nowhere_else(clock):
     with pytest.raises(IntegrityError), transaction.atomic():
         Job.objects.filter(pk=other.pk).update(current_attempt_id=leased.attempt_id)  # one attempt, two jobs
     assert Job.objects.filter(current_attempt_id=leased.attempt_id).count() == 1
+
+
+def test_an_events_time_is_indexed_only_for_settling_events_and_the_dashboard_reads_that(clock):
+    indexes = indexes_on("queue_jobevent")  # (migration 0014)
+    assert [name for name, columns in indexes.items() if columns == ["at"]] == ["jobevent_settled_at"]
+    definition = index_definition("jobevent_settled_at")
+    assert all(kind in definition for kind in ("'finished'", "'expired'", "'cancelled'")) and "enqueued" not in definition
+    enqueue()
+    [leased] = claim(register("w1"))
+    services.attempt_finish(attempt_id=leased.attempt_id, token=leased.token, outcome="succeeded", clock=clock)
+    assert sorted(JobEvent.objects.values_list("kind", flat=True)) == ["claimed", "enqueued", "finished"]
+    ran = []
+
+    def record(execute, sql, params, many, context):
+        ran.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(record):
+        [minute] = outcomes_per_minute(now=clock.now(), minutes=1)
+    assert minute["succeeded"] == 1  # counted from the finished event alone
+    [(query, params)] = [(sql, params) for sql, params in ran if "queue_jobevent" in sql]
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SET LOCAL enable_seqscan = off")  # a small table: the plan must still be able to use it
+        # The query as it ran, with its parameters bound as they were: SQLite takes a partial
+        # index only for a condition in the statement's text, never one in a bound parameter.
+        cursor.execute(f"EXPLAIN {'QUERY PLAN ' if connection.vendor == 'sqlite' else ''}{query}", params)
+        plan = " ".join(str(cell) for row in cursor.fetchall() for cell in row)
+    assert re.search(r"\bjobevent_settled_at\b", plan), plan

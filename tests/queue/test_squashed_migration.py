@@ -16,7 +16,7 @@ pytestmark = pytest.mark.processes
 
 REPO = Path(__file__).resolve().parents[2]
 SQUASH = ("queue", "0001_squashed_0009_fk_indexes_covered")
-AFTER = ["queue.0010_more_fk_indexes_covered", "queue.0011_job_requirements_index_covered", "queue.0012_jobevent_attempt_index_partial", "queue.0013_job_current_attempt_unique_partial"]  # the queue's migrations after the nine, which both apply
+AFTER = ["queue.0010_more_fk_indexes_covered", "queue.0011_job_requirements_index_covered", "queue.0012_jobevent_attempt_index_partial", "queue.0013_job_current_attempt_unique_partial", "queue.0014_jobevent_at_index_partial"]  # the queue's migrations after the nine, which both apply
 
 CHILD = r"""
 import json, re, sys
