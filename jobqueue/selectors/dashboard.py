@@ -23,9 +23,11 @@ OUTCOMES = (JobState.SUCCEEDED.value, JobState.FAILED.value, JobState.CANCELLED.
 # expiry name the job state they produced (which may be `queued` again: no outcome); job_cancel's
 # `cancelled` is one. Only they are indexed by time (jobevent_settled_at), and SQLite uses that
 # partial index only for a WHERE that holds its condition as written: the kinds as literals,
-# not bound parameters. They are the queue's own constants, so the text is safe to build.
+# not bound parameters. They are the queue's own constants (plain words, checked here), so the
+# text is safe to build; the table is named as the model names it.
+assert all(kind.isidentifier() for kind in SETTLING_EVENT_KINDS)
 SETTLED = RawSQL(
-    '"queue_jobevent"."kind" IN (' + ", ".join(f"'{kind}'" for kind in SETTLING_EVENT_KINDS) + ")",
+    f'"{JobEvent._meta.db_table}"."kind" IN (' + ", ".join(f"'{kind}'" for kind in SETTLING_EVENT_KINDS) + ")",
     (),
     output_field=BooleanField(),
 )

@@ -13,9 +13,9 @@ from ..clock import Clock
 from ..exceptions import InvalidRequest, NotFound, Unavailable
 from ..models import Job, JobState, RequirementSet
 from ..types import CLAIM_FIELDS, Retry
-from ..wakeup import Wake, notifier
-from ..wakeup.emit import CHANNEL, emit, head_and_needs, write_row
-from .common import actor_of, event, now_of, postgres, service
+from ..wakeup import Wake
+from ..wakeup.emit import CHANNEL, emit, head_and_needs, told, write_row
+from .common import actor_of, event, log, now_of, postgres, service
 from .followups import checked_follow_ups
 from .transitions import checked, job_move
 
@@ -263,7 +263,7 @@ def _enqueue_alone(row: _Row, now: dt.datetime) -> tuple[Job, bool] | None:
     if not inserted:
         return _already(row)
     pk, _key, requirements_id, _notified = inserted[0]
-    notifier.publish(dataclasses.replace(wake, requirements=requirements_id))  # this process's waiters
+    told(dataclasses.replace(wake, requirements=requirements_id))  # this process's waiters
     return row.job(pk, requirements_id, now), True
 
 
@@ -273,13 +273,20 @@ def _enqueue_alone_sqlite(row: _Row, now: dt.datetime) -> tuple[Job, bool] | Non
     wrappers see every statement). It is the transaction transaction.atomic would open,
     without atomic's bookkeeping (savepoint state, on-commit hooks, durability and thread
     checks), which is about a fifth of a one-row enqueue's CPU. Nothing inside needs it:
-    the statements are these four, and this process's waiters hear the wake after the COMMIT,
-    as emit's on-commit hook would tell them. (job, created); None when its class does not
-    exist yet (nothing was written)."""
+    the statements are the job's insert, its event and its wake row (with, now and then, the
+    wake rows' prune), and this process's waiters hear the wake after the COMMIT, as emit's
+    on-commit hook would tell them. (job, created); None when its class does not exist yet
+    (nothing was written), or when the connection holds a transaction already, which is not
+    ours to commit or roll back (the service's atomic then says what is wrong)."""
     at = sql.ts(now)
     with connection.cursor() as cursor:
-        cursor.execute("BEGIN IMMEDIATE")  # the write lock at once, as settings' transaction_mode takes it
+        raw = connection.connection
+        if raw.in_transaction:
+            return None
         try:
+            # The write lock at once, as the settings' transaction_mode takes it. Inside the try:
+            # whatever raises once BEGIN has taken effect must end this transaction here.
+            cursor.execute("BEGIN IMMEDIATE")
             cursor.execute(sql.insert_jobs(1, False), [*row.params(), at, at])
             inserted = cursor.fetchone()
             if inserted is not None:
@@ -289,13 +296,25 @@ def _enqueue_alone_sqlite(row: _Row, now: dt.datetime) -> tuple[Job, bool] | Non
                 write_row(cursor, wake)
             cursor.execute("COMMIT")
         except BaseException:
-            if connection.connection.in_transaction:  # not when BEGIN or COMMIT ended it
-                connection.connection.rollback()
+            if raw.in_transaction:  # not when BEGIN failed or COMMIT (or SQLite) ended it
+                _roll_back(raw)
             raise
     if inserted is None:
         return _already(row)
-    notifier.publish(wake)  # this process's waiters
+    told(wake)
     return row.job(pk, requirements_id, now), True
+
+
+def _roll_back(raw) -> None:
+    """End a transaction of _enqueue_alone_sqlite's that failed, keeping the failure the one
+    raised. A ROLLBACK that fails too leaves the connection in a transaction no later call
+    could begin over: it is closed, so the next one opens a fresh connection (SQLite drops
+    the uncommitted writes with it)."""
+    try:
+        raw.rollback()
+    except Exception:
+        log.exception("rolling back a failed enqueue failed; closing the connection")
+        connection.close()
 
 
 def _already(row: _Row) -> tuple[Job, bool] | None:

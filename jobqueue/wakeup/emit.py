@@ -9,6 +9,7 @@ their own origin so nobody hears one twice.
 
 import itertools
 import json
+import logging
 import os
 import secrets
 import time
@@ -24,6 +25,7 @@ PRUNE_EVERY = 256  # SQLite: every this many rows, drop the ones no watcher can 
 KEEP = 4096
 
 _origin = (0, "")
+log = logging.getLogger("apiary.queue")
 
 
 def origin() -> str:
@@ -76,9 +78,19 @@ def emit(cursor, wake: Wake) -> None:
 
 def write_row(cursor, wake: Wake) -> None:
     """SQLite: `wake`'s row for the other processes' watchers, in the caller's transaction.
-    This process's waiters hear it only from notifier.publish, which the caller runs after
-    its commit (emit's on_commit, or a transaction of the caller's own)."""
+    This process's waiters hear it only from `told`, which the caller runs after its commit
+    (emit's on_commit does the same)."""
     cursor.execute(sql.INSERT_WAKEUP, [encode(wake)])
     row_id = cursor.lastrowid
     if row_id and row_id % PRUNE_EVERY == 0:
         cursor.execute(sql.PRUNE_WAKEUPS, [row_id - KEEP])
+
+
+def told(wake: Wake) -> None:
+    """This process's waiters hear `wake`, after the commit that holds it. A failure is logged,
+    never raised, as on_commit(robust=True) does for emit: the caller's write is committed and
+    must be answered as such, and a waiter that missed the wake finds the job by its next poll."""
+    try:
+        notifier.publish(wake)
+    except Exception:
+        log.exception("telling this process's waiters of a committed wake failed")

@@ -5,10 +5,10 @@ Either way the job, its `enqueued` event and its wake commit as one. These pin
 that: it is committed when the call returns (another connection sees the job
 and its event), nothing else was sent, the wake carries the job's class and
 reaches this process's waiters only after the commit, a failure anywhere in
-the transaction leaves nothing written, and what the short way cannot do (a
-key already queued, a class never seen, an affinity key) goes the
-transactional way with the same answers. The PostgreSQL tests run there by
-scripts/test; the rest run on both."""
+the transaction leaves nothing written and the connection usable, a key
+already queued answers its job, and what the short way cannot do (a class
+never seen, an affinity key) goes the transactional way. The PostgreSQL tests
+run there by scripts/test; the rest run on both."""
 
 import sqlite3
 
@@ -90,24 +90,34 @@ def test_the_statement_is_prepared_once_per_connection_and_run_from_its_plan(pos
         assert cursor.fetchall() == [(8,)]
 
 
+def _no_transaction_left() -> bool:
+    return connection.vendor != "sqlite" or not connection.connection.in_transaction
+
+
 def test_a_key_already_queued_answers_its_job_and_writes_nothing():
     first, created = services.job_enqueue(key="k", **SPEC)
     again, created_again = services.job_enqueue(key="k", **{**SPEC, "payload": {"n": 2}})
     assert created and not created_again and again.pk == first.pk and again.payload == {"n": 1}
     assert Job.objects.count() == 1 and JobEvent.objects.filter(kind="enqueued").count() == 1
+    assert _no_transaction_left()
 
 
 def test_a_class_never_seen_is_created_by_the_transactional_way():
     job, created = services.job_enqueue(key="k", **{**SPEC, "labels": ["gpu"]})
     assert created and RequirementSet.objects.get(pk=job.requirements_id).labels == ["gpu"]
     assert JobEvent.objects.filter(job=job, kind="enqueued").count() == 1
+    assert _no_transaction_left()
 
 
-def test_an_affinity_job_takes_the_transactional_way(postgres_only):
+def test_an_affinity_job_takes_the_transactional_way():
     services.job_enqueue(key="first", **SPEC)
     (job, created), seen = statements_of(lambda: services.job_enqueue(key="pinned", affinity_key="task:1", **SPEC))
     assert created and job.affinity_key == "task:1"
-    assert not any("pg_notify(CAST" in sql for sql in seen)  # the pins are read, then NOTIFY goes at COMMIT
+    # The wake goes to the key's worker, so the pins are read (the short way reads none), and
+    # PostgreSQL's NOTIFY goes at COMMIT, not in the insert.
+    assert any("queue_affinity" in sql for sql in seen)
+    assert not any("pg_notify(CAST" in sql for sql in seen)
+    assert _no_transaction_left()
 
 
 def _fields(job: Job) -> dict:
@@ -171,6 +181,93 @@ def test_sqlite_a_failure_inside_the_transaction_writes_nothing(sqlite_only, mon
     assert _written() == before and published == []
     job, created = services.job_enqueue(key="second", **SPEC)
     assert created and _written() == (before[0] + 1, before[1] + 1, before[2] + 1)
+
+
+@pytest.mark.parametrize("after", ["BEGIN IMMEDIATE", "queue_job", "queue_jobevent"])
+@pytest.mark.parametrize("error", [OperationalError("disk I/O error"), KeyboardInterrupt()])
+def test_sqlite_a_failure_after_a_statement_ran_ends_the_transaction(sqlite_only, monkeypatch, after, error):
+    """What raises once a statement has taken effect (a wrapper, a signal) still ends the
+    transaction: BEGIN's included, else every later call on this connection would fail."""
+    services.job_enqueue(key="first", **SPEC)
+    before = _written()
+    published = []
+    monkeypatch.setattr(notifier, "publish", published.append)
+
+    def fail_after(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if sql.startswith(after) or f"INTO {after} " in sql:
+            raise error
+        return result
+
+    with connection.execute_wrapper(fail_after), pytest.raises(Unavailable if isinstance(error, OperationalError) else KeyboardInterrupt):
+        services.job_enqueue(key="second", **SPEC)
+    assert not connection.connection.in_transaction
+    assert _written() == before and published == []
+    assert services.job_enqueue(key="second", **SPEC)[1]
+    assert _written() == (before[0] + 1, before[1] + 1, before[2] + 1)
+
+
+class _RollbackFails:
+    """The raw connection, but its ROLLBACK fails."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def rollback(self):
+        raise sqlite3.OperationalError("disk I/O error (rollback)")
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
+def test_sqlite_a_rollback_that_fails_too_closes_the_connection_and_keeps_the_first_error(sqlite_only):
+    services.job_enqueue(key="first", **SPEC)
+    before = _written()
+    raw = connection.connection
+    connection.connection = _RollbackFails(raw)  # until the enqueue closes it
+
+    def fail(execute, sql, params, many, context):
+        if "queue_wakeup" in sql:
+            raise OperationalError("disk I/O error")
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(fail), pytest.raises(Unavailable, match="disk I/O error$"):
+        services.job_enqueue(key="second", **SPEC)
+    assert connection.connection is None  # closed: its open transaction went with it
+    with pytest.raises(sqlite3.ProgrammingError):
+        raw.execute("SELECT 1")
+    assert _written() == before
+    assert services.job_enqueue(key="second", **SPEC)[1]  # on a fresh connection
+
+
+def test_a_waiter_that_fails_to_hear_a_committed_job_does_not_fail_the_enqueue(monkeypatch, caplog):
+    services.job_enqueue(key="first", **SPEC)
+
+    def publish(wake):
+        raise RuntimeError("a waiter broke")
+
+    monkeypatch.setattr(notifier, "publish", publish)
+    job, created = services.job_enqueue(key="second", **SPEC)  # the short way on either backend
+    assert created and Job.objects.filter(pk=job.pk, state="queued").exists()
+    assert "telling this process's waiters of a committed wake failed" in caplog.text
+
+
+def test_sqlite_a_transaction_left_open_on_the_connection_is_not_ours_to_end(sqlite_only):
+    """Left open by someone else, it is neither committed nor rolled back by an enqueue:
+    the call is refused, and the transaction is still there for its owner to end."""
+    services.job_enqueue(key="first", **SPEC)
+    before = _written()
+    raw = connection.connection
+    raw.execute("BEGIN")
+    raw.execute("INSERT INTO queue_wakeup (message) VALUES ('left open')")
+    try:
+        with pytest.raises(Unavailable, match="within a transaction"):
+            services.job_enqueue(key="second", **SPEC)
+        assert raw.in_transaction
+        assert raw.execute("SELECT COUNT(*) FROM queue_wakeup WHERE message = 'left open'").fetchall() == [(1,)]
+    finally:
+        raw.rollback()
+    assert _written() == before
 
 
 def test_sqlite_a_locked_database_is_unavailable_and_writes_nothing(sqlite_only):
