@@ -72,14 +72,13 @@ def emit(cursor, wake: Wake) -> None:
         cursor.execute(sql.NOTIFY, [CHANNEL, encode(wake)])
     else:
         write_row(cursor, wake)
-    # robust: the service has committed; a failure to wake anyone here is the fallback's to mend.
-    transaction.on_commit(lambda: notifier.publish(wake), robust=True)
+    transaction.on_commit(lambda: told(wake))
 
 
 def write_row(cursor, wake: Wake) -> None:
     """SQLite: `wake`'s row for the other processes' watchers, in the caller's transaction.
     This process's waiters hear it only from `told`, which the caller runs after its commit
-    (emit's on_commit does the same)."""
+    (emit runs it on commit)."""
     cursor.execute(sql.INSERT_WAKEUP, [encode(wake)])
     row_id = cursor.lastrowid
     if row_id and row_id % PRUNE_EVERY == 0:
@@ -87,9 +86,10 @@ def write_row(cursor, wake: Wake) -> None:
 
 
 def told(wake: Wake) -> None:
-    """This process's waiters hear `wake`, after the commit that holds it. A failure is logged,
-    never raised, as on_commit(robust=True) does for emit: the caller's write is committed and
-    must be answered as such, and a waiter that missed the wake finds the job by its next poll."""
+    """This process's waiters hear `wake`, after the commit that holds it (emit's on-commit hook,
+    or a caller that committed by itself). A failure is logged, never raised: the caller's write
+    is committed and must be answered as such, and a waiter that missed the wake finds the job
+    by its next poll."""
     try:
         notifier.publish(wake)
     except Exception:
