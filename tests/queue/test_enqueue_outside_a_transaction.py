@@ -162,49 +162,44 @@ def test_sqlite_a_job_of_a_known_class_is_one_transaction_of_its_own(sqlite_only
     assert _fields(Job.objects.get(pk=job.pk)) == _fields(job)
 
 
-@pytest.mark.parametrize("failing", ["queue_jobevent", "queue_wakeup", "COMMIT"])
-@pytest.mark.parametrize("error", [OperationalError("disk I/O error"), IntegrityError("CHECK constraint failed")])
-def test_sqlite_a_failure_inside_the_transaction_writes_nothing(sqlite_only, monkeypatch, failing, error):
+@pytest.mark.parametrize(
+    "when, statement",
+    [
+        ("before", "queue_jobevent"), ("before", "queue_wakeup"), ("before", "COMMIT"),
+        # Raised once the statement took effect (a wrapper, a signal): BEGIN's included, else
+        # every later call on this connection would fail.
+        ("after", "BEGIN IMMEDIATE"), ("after", "queue_job"), ("after", "queue_jobevent"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "error, raised",
+    [
+        (OperationalError("disk I/O error"), Unavailable),
+        (IntegrityError("CHECK constraint failed"), IntegrityError),
+        (KeyboardInterrupt(), KeyboardInterrupt),
+    ],
+)
+def test_sqlite_a_failure_inside_the_transaction_writes_nothing(sqlite_only, monkeypatch, when, statement, error, raised):
     services.job_enqueue(key="first", **SPEC)
     before = _written()
     published = []
     monkeypatch.setattr(notifier, "publish", published.append)
 
     def fail(execute, sql, params, many, context):
-        if failing in sql:
+        hit = sql.startswith(statement) or f"INTO {statement} " in sql
+        if hit and when == "before":
             raise error
-        return execute(sql, params, many, context)
+        result = execute(sql, params, many, context)
+        if hit:
+            raise error
+        return result
 
-    with connection.execute_wrapper(fail), pytest.raises(Unavailable if isinstance(error, OperationalError) else IntegrityError):
+    with connection.execute_wrapper(fail), pytest.raises(raised):
         services.job_enqueue(key="second", **SPEC)
     assert not connection.connection.in_transaction  # rolled back, and the connection usable
     assert _written() == before and published == []
     job, created = services.job_enqueue(key="second", **SPEC)
     assert created and _written() == (before[0] + 1, before[1] + 1, before[2] + 1)
-
-
-@pytest.mark.parametrize("after", ["BEGIN IMMEDIATE", "queue_job", "queue_jobevent"])
-@pytest.mark.parametrize("error", [OperationalError("disk I/O error"), KeyboardInterrupt()])
-def test_sqlite_a_failure_after_a_statement_ran_ends_the_transaction(sqlite_only, monkeypatch, after, error):
-    """What raises once a statement has taken effect (a wrapper, a signal) still ends the
-    transaction: BEGIN's included, else every later call on this connection would fail."""
-    services.job_enqueue(key="first", **SPEC)
-    before = _written()
-    published = []
-    monkeypatch.setattr(notifier, "publish", published.append)
-
-    def fail_after(execute, sql, params, many, context):
-        result = execute(sql, params, many, context)
-        if sql.startswith(after) or f"INTO {after} " in sql:
-            raise error
-        return result
-
-    with connection.execute_wrapper(fail_after), pytest.raises(Unavailable if isinstance(error, OperationalError) else KeyboardInterrupt):
-        services.job_enqueue(key="second", **SPEC)
-    assert not connection.connection.in_transaction
-    assert _written() == before and published == []
-    assert services.job_enqueue(key="second", **SPEC)[1]
-    assert _written() == (before[0] + 1, before[1] + 1, before[2] + 1)
 
 
 class _RollbackFails:
